@@ -1,0 +1,1 @@
+"""Shared core of kvwire: config, model, KV pages, sampling, serving, telemetry."""

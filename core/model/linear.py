@@ -1,0 +1,36 @@
+"""The dense linear layer the model is built from.
+
+Weights may be fp32 or bf16; activations arrive in fp32. On a CPU without bf16 arithmetic
+(see ../shared/MEASURED.md) a bf16 matmul over many rows is ~5x slower than fp32, while a
+one-row (decode) bf16 matmul streams the weights at full memory bandwidth. So on CPU bf16 weights
+are upcast for wide inputs (prefill) and used as they are for narrow ones (decode); on a GPU the
+activations are cast to the weights' dtype.
+Quantized replacements (core.model.quant) keep the same ``forward(x) -> y`` contract.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows at or above which a bf16 weight is upcast to fp32 for the matmul (compute-bound regime).
+UPCAST_MIN_ROWS = 16
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in_features] fp32 -> [rows, out_features] fp32
+        w = self.weight
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        if x.shape[0] >= UPCAST_MIN_ROWS and w.device.type == "cpu":
+            b = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, w.to(x.dtype), b)
+        b = None if self.bias is None else self.bias.to(w.dtype)
+        return F.linear(x.to(w.dtype), w, b).to(x.dtype)
