@@ -1,0 +1,223 @@
+"""The decode engine: admission, KV pull from prefill_svc, and the continuous-batching loop.
+
+One asyncio task runs the loop: every iteration takes all decoding requests, runs one batched
+step in the worker thread and hands each request its token; requests join (after their KV
+arrived) and leave (finished, failed or cancelled) between steps. Every runner call goes through
+one single-thread executor in submission order, so a request's pages are freed only after any
+step or import already queued for it: cancellation at any moment never leaks or reuses a page.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from core.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from core.kv.wire import TransferTracker, WireError, decode_chunk
+from core.sampling import SamplingParams, sample
+from decode_svc.runner import DecodeRunner
+from decode_svc.scheduler import AdmissionError, Phase, Scheduler, SeqState
+from protos import kv_convert as conv
+from protos import kvwire_pb2 as pb
+
+tracer = trace.get_tracer("kvwire.decode_svc")
+
+
+@dataclass
+class _Request:
+    id: str
+    seq: int
+    prompt: list[int]
+    params: SamplingParams
+    stops: frozenset[int]
+    state: SeqState
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    next_input: list[int] = field(default_factory=list)
+    generated: int = 0
+    steps: int = 0
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Output:
+    tokens: list[int]
+    finish_reason: str | None  # "stop" | "length" on the last output
+
+
+class DecodeEngine:
+    def __init__(self, runner: DecodeRunner, scheduler: Scheduler, prefill_stub, eos_ids=frozenset()):
+        self.runner, self.scheduler, self.prefill = runner, scheduler, prefill_stub
+        self.engine = runner.engine
+        self.eos_ids = frozenset(eos_ids)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.total_steps = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="decode-loop")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- one request ----------------------------------------------------------------------------
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        cfg = self.engine.model_config
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids is empty: send at least one token")
+        params.validate()
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
+        if len(prompt) + params.max_tokens > cfg.max_position_embeddings:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {cfg.max_position_embeddings} tokens; lower max_tokens or shorten the prompt")
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[Output]:
+        self.validate(prompt, params)
+        if request_id in self.requests:
+            raise InvalidArgument(f"request_id {request_id!r} is already running")
+        try:
+            state = self.scheduler.submit(request_id, len(prompt), params.max_tokens)
+        except AdmissionError as e:
+            raise ResourceExhausted(str(e)) from e
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        req = _Request(request_id, next(self._seq_ids), prompt, params, stops, state)
+        self.requests[request_id] = req
+        decode_span = None
+        try:
+            self._admit()
+            await req.admitted.wait()
+            first = await self._pull_kv(req)
+            req.generated = 1
+            finish = self._finish_reason(req, first)
+            yield Output([first], finish)
+            if finish:
+                return
+            decode_span = tracer.start_span("decode")
+            req.next_input, req.state.phase = [first], Phase.DECODING
+            self._work.set()
+            while True:
+                item = await req.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            req.done = True
+            self.requests.pop(request_id, None)
+            self.scheduler.finish(request_id)
+            self.executor.submit(self.runner.free, req.seq)  # after anything queued for it
+            if decode_span is not None:
+                decode_span.set_attributes({"gen_ai.usage.output_tokens": req.generated,
+                                            "kvwire.decode.steps": req.steps})
+                decode_span.end()
+            self._admit()
+
+    def _finish_reason(self, req: _Request, token: int) -> str | None:
+        if token in req.stops:
+            return "stop"
+        return "length" if req.generated >= req.params.max_tokens else None
+
+    def _admit(self) -> None:
+        for state in self.scheduler.admit():
+            self.requests[state.request_id].admitted.set()
+
+    async def _pull_kv(self, req: _Request) -> int:
+        """Stream the prompt's KV from prefill_svc into this request's pages; returns the first token."""
+        spec = self.engine.spec
+        call = self.prefill.Prefill(pb.PrefillRequest(
+            request_id=req.id, token_ids=req.prompt, sampling=conv.sampling_to_pb(req.params),
+            expected_spec=conv.spec_to_pb(spec), expected_fingerprint=conv.fingerprint_to_pb(self.engine.fingerprint)))
+        with tracer.start_as_current_span("kv_transfer") as span:
+            tracker, pages, first = None, [], None
+            try:
+                async for msg in call:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "header":
+                        self._check_header(msg.header, len(req.prompt))
+                        pages = await self._run(self.runner.import_begin, req.seq, len(req.prompt))
+                        tracker = TransferTracker(spec, len(pages))
+                    elif kind == "chunk":
+                        if tracker is None:
+                            raise DataLoss("prefill sent a KV chunk before its header")
+                        chunk = conv.chunk_from_pb(msg.chunk)
+                        try:
+                            decoded = decode_chunk(spec, chunk, len(pages))
+                            tracker.record(chunk)
+                        except WireError as e:
+                            raise DataLoss(f"KV page refused: {e}") from e
+                        await self._run(self.runner.import_chunk, pages, decoded)
+                    elif kind == "done":
+                        first = msg.done.first_token
+            finally:
+                call.cancel()  # no-op when the stream ended normally
+            if tracker is None or first is None:
+                raise DataLoss("the prefill stream ended early (truncated): no header or no final message")
+            missing = tracker.missing()
+            if missing:
+                raise DataLoss(f"the prefill stream is missing {len(missing)} (layer, page) KV pages, "
+                               f"first {missing[0]}")
+            bf16_bytes = len(pages) * spec.num_layers * 2 * spec.values_per_page * 2
+            span.set_attributes({
+                "kvwire.kv.pages": len(pages) * spec.num_layers, "kvwire.kv.bytes": tracker.bytes,
+                "kvwire.kv.chunks": tracker.chunks, "kvwire.kv.dtype": spec.dtype.value,
+                "kvwire.kv.compression_vs_bf16": round(bf16_bytes / tracker.bytes, 3) if tracker.bytes else 0.0,
+                "kvwire.kv.checksums_verified": tracker.chunks, "kvwire.kv.checksum_failures": 0})
+            return first
+
+    def _check_header(self, header: pb.PrefillHeader, num_tokens: int) -> None:
+        diffs = self.engine.spec.diff(conv.spec_from_pb(header.spec))
+        diffs += self.engine.fingerprint.diff(conv.fingerprint_from_pb(header.fingerprint))
+        if diffs:
+            raise FailedPrecondition("prefill_svc runs a different model or KV layout "
+                                     "(decode's value != prefill's): " + "; ".join(diffs))
+        if header.num_tokens != num_tokens:
+            raise DataLoss(f"prefill announced {header.num_tokens} tokens for a {num_tokens}-token prompt")
+
+    # ---- the batching loop ----------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            batch = [r for r in self.requests.values() if r.state.phase is Phase.DECODING and not r.done]
+            if not batch:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            try:
+                logits = await self._run(self.runner.step, [r.seq for r in batch], [r.next_input for r in batch])
+            except Exception as e:  # noqa: BLE001 - the requests in the step fail, the loop goes on
+                for r in batch:
+                    r.state.phase = Phase.FINISHED
+                    r.out.put_nowait(e)
+                continue
+            self.total_steps += 1
+            for r, row in zip(batch, logits):
+                if r.done:
+                    continue
+                token = sample(row[-1], r.params, r.generated)
+                r.generated += 1
+                r.steps += 1
+                finish = self._finish_reason(r, token)
+                if finish:
+                    r.state.phase = Phase.FINISHED
+                r.next_input = [token]
+                r.out.put_nowait(Output([token], finish))
+
+    def pool_stats(self) -> dict[str, int]:
+        return {**self.runner.stats(), **self.scheduler.stats()}
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=False)

@@ -1,0 +1,52 @@
+"""``python -m prefill_svc``: serve PrefillService (quantized prompt forward, FP8 KV pages out)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from core import cli
+from core.lazy import Lazy
+from core.runtime import load_engine
+from core.serving import GrpcServer
+from core.telemetry import setup_tracing, start_metrics_server
+from prefill_svc.runner import PrefillRunner
+from prefill_svc.server import PrefillServicer
+from protos import kvwire_pb2_grpc
+
+log = logging.getLogger("prefill_svc")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    telemetry = setup_tracing("kvwire-prefill")
+    start_metrics_server(telemetry, args.metrics_port)
+    server = GrpcServer()
+    engine_cfg = cli.engine_config(args)
+    lazy = Lazy(PrefillServicer, "prefill_svc")
+    server.add_service(kvwire_pb2_grpc.add_PrefillServiceServicer_to_server, lazy, "kvwire.v1.PrefillService")
+    port = await server.start(args.listen)
+    log.info("loading %s (weights %s, KV %s) ...", engine_cfg.model_dir, engine_cfg.weights.value,
+             engine_cfg.kv_dtype.value)
+    engine = await asyncio.to_thread(load_engine, engine_cfg)
+    runner = PrefillRunner(engine, engine_cfg.num_pages)
+    await asyncio.to_thread(runner.warm_up)
+    lazy.set(PrefillServicer(runner))
+    await server.set_serving()
+    log.info("prefill_svc SERVING on port %d", port)
+    try:
+        await server.serve_until_signal(grace_s=args.grace)
+    finally:
+        telemetry.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m prefill_svc", description=__doc__)
+    cli.add_engine_args(ap, default_pages=1024)
+    cli.add_server_args(ap, default_listen="127.0.0.1:50053")
+    args = ap.parse_args()
+    cli.setup_logging(args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""PrefillService: a thin async adapter over PrefillRunner.
+
+One ``Prefill`` call is one server stream: header (spec + fingerprint), the KV pages of each
+layer as soon as that layer is computed (chunks of at most 1 MiB), then the first token. The
+request's pages live exactly as long as the stream: when it ends, fails or is cancelled they go
+back to the pool (the forward is told to stop at its next layer).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from opentelemetry import trace
+
+from core.errors import FailedPrecondition
+from core.kv.wire import encode_layer
+from core.sampling import sample
+from prefill_svc.runner import PrefillRunner
+from protos import kv_convert as conv
+from protos import kvwire_pb2 as pb
+from protos import kvwire_pb2_grpc
+
+tracer = trace.get_tracer("kvwire.prefill_svc")
+_DONE = -1
+
+
+class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, runner: PrefillRunner):
+        self.runner = runner
+        self.engine = runner.engine
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+
+    def _check_expectations(self, request: pb.PrefillRequest) -> None:
+        diffs = []
+        if request.HasField("expected_spec"):
+            diffs += self.engine.spec.diff(conv.spec_from_pb(request.expected_spec))
+        if request.HasField("expected_fingerprint"):
+            diffs += conv.fingerprint_from_pb(request.expected_fingerprint).diff(self.engine.fingerprint)
+        if diffs:
+            raise FailedPrecondition("prefill and decode run different models or KV layouts "
+                                     "(decode's value != prefill's): " + "; ".join(diffs))
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        tokens = list(request.token_ids)
+        self.runner.validate(tokens)
+        params = conv.sampling_from_pb(request.sampling)
+        params.validate()
+        self._check_expectations(request)
+        spec = self.engine.spec
+        yield pb.PrefillResponse(header=pb.PrefillHeader(
+            spec=conv.spec_to_pb(spec), fingerprint=conv.fingerprint_to_pb(self.engine.fingerprint),
+            num_tokens=len(tokens), num_pages=spec.pages_for(len(tokens))))
+
+        loop = asyncio.get_running_loop()
+        layers: asyncio.Queue[int] = asyncio.Queue()
+        abort = threading.Event()
+
+        def on_layer(layer: int) -> None:  # worker thread
+            loop.call_soon_threadsafe(layers.put_nowait, layer)
+
+        seq = self.runner.new_sequence()
+        fut = loop.run_in_executor(self.executor, self.runner.forward, seq, tokens, on_layer, abort)
+        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(layers.put_nowait, _DONE))
+        with tracer.start_as_current_span("prefill.forward") as span:
+            span.set_attributes({"gen_ai.usage.input_tokens": len(tokens), "kvwire.request_id": request.request_id,
+                                 "kvwire.quantization": self.engine.fingerprint.quantization,
+                                 "kvwire.kv_dtype": spec.dtype.value})
+            try:
+                sent_bytes = 0
+                for _ in range(spec.num_layers):
+                    layer = await layers.get()
+                    if layer == _DONE:
+                        break  # the forward failed before this layer; fut carries the error
+                    for chunk in encode_layer(spec, layer, *self.runner.layer_pages(seq, layer)):
+                        sent_bytes += chunk.nbytes
+                        yield pb.PrefillResponse(chunk=conv.chunk_to_pb(chunk))
+                logits = await fut
+                first = sample(logits, params, step=0)
+                span.set_attributes({"kvwire.kv.bytes_sent": sent_bytes, "kvwire.first_token": first})
+                yield pb.PrefillResponse(done=pb.PrefillDone(first_token=first, prompt_tokens=len(tokens)))
+            finally:
+                abort.set()
+                fut.add_done_callback(lambda f: self._release_when_done(f, seq))
+
+    def _release_when_done(self, fut, seq: int) -> None:
+        # Runs once the forward is over, whatever the stream did: a successful forward's pages
+        # belong to this stream, which has ended, so they go back now (a failed one freed its own).
+        if not fut.cancelled() and fut.exception() is None:
+            self.runner.release(seq)
