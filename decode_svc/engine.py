@@ -21,7 +21,7 @@ from core.kv.wire import TransferTracker, WireError, decode_chunk
 from core.sampling import SamplingParams, sample
 from decode_svc.runner import DecodeRunner
 from decode_svc.scheduler import AdmissionError, Phase, Scheduler, SeqState
-from protos import kv_convert as conv
+from protos import convert as conv
 from protos import kvwire_pb2 as pb
 
 tracer = trace.get_tracer("kvwire.decode_svc")

@@ -6,7 +6,7 @@ import uuid
 from opentelemetry import trace
 
 from decode_svc.engine import DecodeEngine
-from protos import kv_convert as conv
+from protos import convert as conv
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc
 

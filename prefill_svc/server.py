@@ -17,7 +17,7 @@ from core.errors import FailedPrecondition
 from core.kv.wire import encode_layer
 from core.sampling import sample
 from prefill_svc.runner import PrefillRunner
-from protos import kv_convert as conv
+from protos import convert as conv
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc
 

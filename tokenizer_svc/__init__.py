@@ -1,0 +1,1 @@
+"""tokenizer_svc: the text front door (tokenize, chat template, incremental detokenize)."""

@@ -1,0 +1,56 @@
+"""``python -m tools.run_local``: all three services on localhost with the embedded model, then one
+streamed completion through the front door, then a graceful shutdown.
+
+    python -m tools.run_local --prompt "The for statement" --max-tokens 80
+    python -m tools.run_local --keep-running      # leave the services up (Ctrl-C stops them)
+
+Service logs go to --log-dir (default: a temporary folder, printed at start).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from core.cli import DEFAULT_MODEL_DIR
+from tokenizer_svc.client import stream
+from protos import kvwire_pb2 as pb
+from tools.stack import Stack
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.run_local", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--weights", default="none", help="none | bf16 | int8 | fp8")
+    ap.add_argument("--kv-dtype", default="fp8_e4m3", help="fp8_e4m3 | bf16")
+    ap.add_argument("--prompt", default="The for statement")
+    ap.add_argument("--max-tokens", type=int, default=80)
+    ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C after the demo request")
+    ap.add_argument("--log-dir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvwire-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(model_dir=args.model_dir, weights=args.weights, kv_dtype=args.kv_dtype, log_dir=log_dir)
+    t = time.perf_counter()
+    print(f"starting prefill_svc, decode_svc, tokenizer_svc (logs in {log_dir}) ...", file=sys.stderr)
+    with stack:
+        print(f"all SERVING after {time.perf_counter() - t:.1f} s: tokenizer_svc {stack.addr('tokenizer_svc')}, "
+              f"decode_svc {stack.addr('decode_svc')}, prefill_svc {stack.addr('prefill_svc')}", file=sys.stderr)
+        request = pb.GenerateTextRequest(text=args.prompt, sampling=pb.SamplingParams(max_tokens=args.max_tokens))
+        sys.stdout.write(args.prompt)
+        asyncio.run(stream(stack.addr("tokenizer_svc"), request))
+        if args.keep_running:
+            print("serving; Ctrl-C to stop", file=sys.stderr)
+            try:
+                while all(p.poll() is None for p in stack.procs.values()):
+                    time.sleep(1)
+            except KeyboardInterrupt:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Start the three services as real processes on loopback, wait for their health, stop them.
+
+Used by the quick start (``python -m tools.run_local``) and by the integration tests. Each service
+is ``python -m <service>`` with flags; readiness is the stock ``grpc.health.v1`` client seeing
+SERVING; shutdown is SIGTERM (graceful drain), then SIGKILL after a deadline.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from core.cli import DEFAULT_MODEL_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(addr: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll the standard health service until it answers SERVING (raise on timeout or exit)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(addr) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the service at {addr} exited with code {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{addr} not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
+@dataclass
+class Stack:
+    model_dir: Path = DEFAULT_MODEL_DIR
+    weights: str = "none"
+    kv_dtype: str = "fp8_e4m3"
+    decode_pages: int = 2048
+    prefill_pages: int = 1024
+    extra: dict[str, list[str]] = field(default_factory=dict)  # per-service extra flags
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def _flags(self, name: str) -> list[str]:
+        flags = ["--listen", self.addr(name)]
+        flags += ["--model-dir", str(self.model_dir)]
+        if name != "tokenizer_svc":
+            pages = self.decode_pages if name == "decode_svc" else self.prefill_pages
+            flags += ["--weights", self.weights, "--kv-dtype", self.kv_dtype, "--num-pages", str(pages)]
+        if name == "decode_svc":
+            flags += ["--prefill-addr", self.addr("prefill_svc")]
+        if name == "tokenizer_svc":
+            flags += ["--decode-addr", self.addr("decode_svc")]
+        return flags + self.extra.get(name, [])
+
+    def start(self, timeout_s: float = 120.0) -> "Stack":
+        names = ("prefill_svc", "decode_svc", "tokenizer_svc")
+        for name in names:
+            self.ports.setdefault(name, free_port())
+        env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
+        for name in names:
+            out = open(self.log_dir / f"{name}.log", "wb") if self.log_dir else subprocess.DEVNULL
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", name, *self._flags(name)], cwd=REPO,
+                env={**env, "OTEL_SERVICE_NAME": "kvwire-" + name.removesuffix("_svc")},
+                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            for name in names:
+                wait_serving(self.addr(name), timeout_s, self.procs[name])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM every service (front door first), wait, SIGKILL stragglers; returns exit codes."""
+        for name in ("tokenizer_svc", "decode_svc", "prefill_svc"):
+            p = self.procs.get(name)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes = {}
+        for name, p in self.procs.items():
+            try:
+                codes[name] = p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[name] = p.wait()
+        return codes
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
