@@ -17,6 +17,7 @@ round-robin over every address the name resolves to, tracing). Servicers stay th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -84,8 +85,10 @@ def _wrap(behavior: Callable, method: str, response_streaming: bool) -> Callable
     if response_streaming and inspect.isasyncgenfunction(behavior):
         async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext):
             try:
-                async for response in behavior(request, context):
-                    yield response
+                # aclosing: on cancellation the handler's own `finally` runs now, not at GC time.
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to a status, never UNKNOWN

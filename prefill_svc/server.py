@@ -34,7 +34,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
     def _check_expectations(self, request: pb.PrefillRequest) -> None:
         diffs = []
         if request.HasField("expected_spec"):
-            diffs += self.engine.spec.diff(conv.spec_from_pb(request.expected_spec))
+            diffs += conv.spec_from_pb(request.expected_spec).diff(self.engine.spec)
         if request.HasField("expected_fingerprint"):
             diffs += conv.fingerprint_from_pb(request.expected_fingerprint).diff(self.engine.fingerprint)
         if diffs:

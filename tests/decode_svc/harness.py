@@ -1,0 +1,94 @@
+"""prefill_svc and decode_svc as real gRPC servers on loopback, in this process, over a tiny model.
+
+In-process so that a test can wrap the real PrefillServicer (slow it down, damage a chunk) and read
+both pools directly; the real-process path is covered by tests/integration.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import torch
+import transformers
+
+from core.lazy import Lazy
+from core.runtime import EngineConfig, load_engine
+from core.serving import GrpcServer, build_channel
+from decode_svc.engine import DecodeEngine
+from decode_svc.runner import DecodeRunner
+from decode_svc.scheduler import Scheduler, SchedulerConfig
+from decode_svc.server import DecodeServicer
+from prefill_svc.runner import PrefillRunner
+from prefill_svc.server import PrefillServicer
+from protos import kvwire_pb2 as pb
+from protos import kvwire_pb2_grpc as pbg
+
+
+def tiny_model(path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)).save_pretrained(path)
+    return path
+
+
+class Harness:
+    """``async with Harness(cfg) as h``: h.decode (stub), h.prefill_runner, h.engine (DecodeEngine)."""
+
+    def __init__(self, cfg: EngineConfig, prefill_cfg: EngineConfig | None = None, decode_pages: int = 64,
+                 prefill_wrapper=None, max_waiting: int = 8, prefill_addr: str | None = None):
+        self.cfg, self.prefill_cfg = cfg, prefill_cfg or cfg
+        self.decode_pages, self.prefill_wrapper = decode_pages, prefill_wrapper
+        self.max_waiting, self.prefill_addr = max_waiting, prefill_addr
+
+    async def __aenter__(self) -> "Harness":
+        self.prefill_engine = load_engine(self.prefill_cfg)
+        self.prefill_runner = PrefillRunner(self.prefill_engine, 128)
+        servicer = PrefillServicer(self.prefill_runner)
+        if self.prefill_wrapper is not None:
+            servicer = self.prefill_wrapper(servicer)
+        self.prefill_server = GrpcServer(tracing=False)
+        self.prefill_server.add_service(pbg.add_PrefillServiceServicer_to_server, servicer, "kvwire.v1.PrefillService")
+        port = await self.prefill_server.start("127.0.0.1:0")
+        engine = load_engine(dataclasses.replace(self.cfg, num_pages=self.decode_pages))
+        runner = DecodeRunner(engine, self.decode_pages)
+        runner.warm_up()
+        self.channel = build_channel(self.prefill_addr or f"127.0.0.1:{port}", tracing=False)
+        scheduler = Scheduler(SchedulerConfig(self.decode_pages, self.cfg.block_size, max_waiting=self.max_waiting))
+        self.engine = DecodeEngine(runner, scheduler, pbg.PrefillServiceStub(self.channel))
+        self.engine.start()
+        lazy = Lazy(DecodeServicer, "decode_svc")
+        lazy.set(DecodeServicer(self.engine))
+        self.decode_server = GrpcServer(tracing=False)
+        self.decode_server.add_service(pbg.add_DecodeServiceServicer_to_server, lazy, "kvwire.v1.DecodeService")
+        dport = await self.decode_server.start("127.0.0.1:0")
+        self.decode_channel = build_channel(f"127.0.0.1:{dport}", tracing=False)
+        self.decode = pbg.DecodeServiceStub(self.decode_channel)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.decode_channel.close()
+        await self.decode_server.stop(0)
+        await self.engine.close()
+        await self.channel.close()
+        await self.prefill_server.stop(0)
+
+    async def generate(self, prompt: list[int], **sampling) -> list[int]:
+        tokens = []
+        async for m in self.decode.Generate(pb.GenerateTokensRequest(
+                prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling))):
+            tokens += m.token_ids
+        return tokens
+
+    async def pools_back_to(self, decode_free: int, prefill_free: int, timeout_s: float = 10.0) -> bool:
+        """Poll until both pools are back to the given free counts (frees are queued, not instant)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            stats = await self.decode.GetPoolStats(pb.PoolStatsRequest())
+            if stats.free_pages == decode_free and self.prefill_runner.stats()["free"] == prefill_free \
+                    and stats.running == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False

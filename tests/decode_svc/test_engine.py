@@ -1,0 +1,172 @@
+"""decode_svc + prefill_svc over loopback gRPC: correctness, batching, cancellation, error statuses."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import grpc
+import pytest
+
+from core.config import KVDtype, QuantMode
+from core.generate import generate
+from core.runtime import EngineConfig, load_engine
+from core.sampling import SamplingParams
+from protos import kvwire_pb2 as pb
+from tests.decode_svc.harness import Harness, tiny_model
+from tools.stack import free_port
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def cfg(model_dir):
+    return EngineConfig(model_dir=model_dir, num_pages=128)
+
+
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 31, 48, 70, 9)]
+
+
+class ControlledPrefill:
+    """Wraps the real PrefillServicer: pause after the first chunk, damage or truncate the stream."""
+
+    def __init__(self, inner, pause=False, corrupt=False, truncate_after=None):
+        self.inner, self.pause, self.corrupt, self.truncate_after = inner, pause, corrupt, truncate_after
+        self.chunk_sent, self.resume = asyncio.Event(), asyncio.Event()
+
+    async def Prefill(self, request, context):
+        chunks = 0
+        async with contextlib.aclosing(self.inner.Prefill(request, context)) as stream:
+            async for msg in stream:
+                if msg.WhichOneof("kind") == "chunk":
+                    chunks += 1
+                    if self.truncate_after is not None and chunks > self.truncate_after:
+                        return
+                    if self.corrupt and chunks == 2:
+                        data = bytearray(msg.chunk.k_values)
+                        data[len(data) // 2] ^= 0x10
+                        msg.chunk.k_values = bytes(data)
+                yield msg
+                if msg.WhichOneof("kind") == "chunk" and self.pause:
+                    self.chunk_sent.set()
+                    await self.resume.wait()
+
+
+async def test_matches_in_process_generation_under_concurrency(cfg):
+    ref_engine = load_engine(cfg)
+    params = [dict(max_tokens=24)] * 3 + [dict(max_tokens=20, temperature=0.8, top_k=50, top_p=0.9, seed=s)
+                                          for s in (1, 2, 3)]
+    async with Harness(cfg) as h:
+        outs = await asyncio.gather(*[h.generate(p, **kw) for p, kw in zip(PROMPTS, params)])
+        steps = h.engine.total_steps
+    for prompt, kw, out in zip(PROMPTS, params, outs):
+        expected = generate(ref_engine.model, prompt, SamplingParams(**kw), cache=ref_engine.new_cache(64))
+        assert out == expected
+    # Continuous batching: concurrent requests shared decode steps.
+    assert steps < sum(len(o) - 1 for o in outs)
+
+
+@pytest.mark.parametrize("kv", [KVDtype.BF16, KVDtype.FP8_E4M3])
+async def test_kv_dtypes_and_pool_returns_to_baseline(cfg, kv):
+    cfg = dataclasses.replace(cfg, kv_dtype=kv)
+    async with Harness(cfg) as h:
+        await asyncio.gather(*[h.generate(p, max_tokens=10) for p in PROMPTS])
+        assert await h.pools_back_to(64, 128)
+
+
+async def test_cancel_during_kv_transfer_frees_every_page(cfg):
+    holder = {}
+
+    def wrap(inner):
+        holder["w"] = ControlledPrefill(inner, pause=True)
+        return holder["w"]
+
+    async with Harness(cfg, prefill_wrapper=wrap) as h:
+        call = h.decode.Generate(pb.GenerateTokensRequest(prompt_token_ids=list(range(5, 105)),
+                                                          sampling=pb.SamplingParams(max_tokens=50)))
+        reader = asyncio.ensure_future(call.read())
+        await asyncio.wait_for(holder["w"].chunk_sent.wait(), 10)
+        stats = await h.decode.GetPoolStats(pb.PoolStatsRequest())
+        assert stats.used_pages > 0 and h.prefill_runner.stats()["used"] > 0  # mid-transfer
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert await h.pools_back_to(64, 128)
+
+
+async def test_cancel_during_decode_frees_every_page(cfg):
+    async with Harness(cfg) as h:
+        call = h.decode.Generate(pb.GenerateTokensRequest(prompt_token_ids=list(range(5, 60)),
+                                                          sampling=pb.SamplingParams(max_tokens=400)))
+        for _ in range(3):
+            await call.read()
+        assert (await h.decode.GetPoolStats(pb.PoolStatsRequest())).used_pages > 0
+        call.cancel()
+        assert await h.pools_back_to(64, 128)
+
+
+async def expect_status(coro, code: grpc.StatusCode, match: str):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await coro
+    assert e.value.code() == code, e.value.details()
+    assert match in e.value.details(), e.value.details()
+    return e.value.details()
+
+
+async def test_model_or_layout_mismatch_is_failed_precondition(cfg):
+    async with Harness(cfg, prefill_cfg=dataclasses.replace(cfg, weights=QuantMode.BF16)) as h:
+        await expect_status(h.generate([5, 6, 7]), grpc.StatusCode.FAILED_PRECONDITION, "quantization: 'none' != 'bf16'")
+    async with Harness(cfg, prefill_cfg=dataclasses.replace(cfg, block_size=32)) as h:
+        await expect_status(h.generate([5, 6, 7]), grpc.StatusCode.FAILED_PRECONDITION, "block_size: 16 != 32")
+        assert await h.pools_back_to(64, 128)
+
+
+@pytest.mark.parametrize("damage, match", [(dict(corrupt=True), "checksum"),
+                                           (dict(truncate_after=1), "ended early")])
+async def test_damaged_kv_is_data_loss(cfg, damage, match):
+    async with Harness(cfg, prefill_wrapper=lambda inner: ControlledPrefill(inner, **damage)) as h:
+        await expect_status(h.generate(list(range(5, 80))), grpc.StatusCode.DATA_LOSS, match)
+        assert await h.pools_back_to(64, 128)
+
+
+async def test_prefill_down_is_unavailable(cfg):
+    async with Harness(cfg, prefill_addr=f"127.0.0.1:{free_port()}") as h:
+        await expect_status(h.generate([5, 6, 7]), grpc.StatusCode.UNAVAILABLE, "")
+        assert (await h.decode.GetPoolStats(pb.PoolStatsRequest())).free_pages == 64
+
+
+@pytest.mark.parametrize("prompt, sampling, match", [
+    ([], dict(max_tokens=5), "prompt_token_ids is empty"),
+    ([5, 300], dict(max_tokens=5), "outside the vocabulary [0, 300)"),
+    ([5] * 500, dict(max_tokens=20), "exceeds the model's context of 512"),
+    ([5], dict(max_tokens=0), "max_tokens must be positive"),
+    ([5], dict(max_tokens=5, temperature=-1), "temperature must be >= 0"),
+    ([5], dict(max_tokens=5, top_p=1.5), "top_p must be in (0, 1]"),
+])
+async def test_invalid_arguments(cfg, prompt, sampling, match):
+    async with Harness(cfg) as h:
+        await expect_status(h.generate(prompt, **sampling), grpc.StatusCode.INVALID_ARGUMENT, match)
+
+
+async def test_resource_exhausted_when_never_fits_or_queue_full(cfg):
+    holder = {}
+
+    def wrap(inner):
+        holder["w"] = ControlledPrefill(inner, pause=True)
+        return holder["w"]
+
+    async with Harness(cfg, decode_pages=8, max_waiting=1, prefill_wrapper=wrap) as h:
+        await expect_status(h.generate([5] * 100, max_tokens=100), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            "needs 13 KV pages")
+        first = asyncio.ensure_future(h.generate([5] * 60, max_tokens=40))  # 7 pages: admitted, paused
+        await asyncio.wait_for(holder["w"].chunk_sent.wait(), 10)
+        second = asyncio.ensure_future(h.generate([5] * 60, max_tokens=40))  # waits in the queue
+        await asyncio.sleep(0.2)
+        await expect_status(h.generate([5] * 10, max_tokens=5), grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full")
+        holder["w"].resume.set()
+        a, b = await asyncio.gather(first, second)
+        assert len(a) == 40 and len(b) == 40
+        assert await h.pools_back_to(8, 128)
