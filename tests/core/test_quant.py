@@ -225,7 +225,7 @@ def test_tied_embeddings_stay_intact(mode):
 
 
 def test_blockwise_upcast_equals_whole_upcast():
-    from core.model.quant import UPCAST_BLOCK_ROWS, upcast_linear
+    from core.model.linear import UPCAST_BLOCK_ROWS, upcast_linear
     w = torch.randn(2 * UPCAST_BLOCK_ROWS + 37, 32).to(torch.bfloat16)  # a ragged last block
     x = torch.randn(20, 32)
     torch.testing.assert_close(upcast_linear(x, w), F.linear(x, w.float()))
