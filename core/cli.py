@@ -29,7 +29,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def add_server_args(ap: argparse.ArgumentParser, default_listen: str) -> None:
     ap.add_argument("--listen", default=default_listen, help="host:port to serve on (port 0: any free port)")
-    ap.add_argument("--grace", type=float, default=20.0, help="seconds in-flight calls get at SIGTERM")
+    ap.add_argument("--grace-s", type=float, default=20.0, help="seconds in-flight calls get at SIGTERM")
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     ap.add_argument("--log-level", default="INFO")
 

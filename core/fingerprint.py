@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from core.config import ModelConfig
-from core.model.loader import resolve_inside
+from core.files import resolve_inside
 
 
 @dataclass(frozen=True)

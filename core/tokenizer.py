@@ -8,7 +8,7 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from core.model.loader import LoadError, read_json, resolve_inside
+from core.files import LoadError, read_json, resolve_inside
 
 
 def _token_text(value) -> str | None:

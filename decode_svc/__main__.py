@@ -44,7 +44,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.set_serving()
     log.info("decode_svc SERVING on port %d (prefill at %s)", port, args.prefill_addr)
     try:
-        await server.serve_until_signal(grace_s=args.grace)
+        await server.serve_until_signal(grace_s=args.grace_s)
     finally:
         await decode.close()
         await channel.close()

@@ -34,7 +34,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.set_serving()
     log.info("prefill_svc SERVING on port %d", port)
     try:
-        await server.serve_until_signal(grace_s=args.grace)
+        await server.serve_until_signal(grace_s=args.grace_s)
     finally:
         telemetry.shutdown()
 

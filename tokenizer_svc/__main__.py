@@ -21,7 +21,8 @@ log = logging.getLogger("tokenizer_svc")
 
 def parse_args(argv: list[str] | None = None) -> TokenizerServiceConfig:
     p = argparse.ArgumentParser(prog="python -m tokenizer_svc", description=__doc__.split("\n\n")[-1])
-    p.add_argument("--model-dir", required=True, help="directory with tokenizer.json (+ tokenizer_config.json)")
+    p.add_argument("--model-dir", default=str(Path(__file__).resolve().parents[1] / "models" / "kvwire-tiny"),
+                   help="directory with tokenizer.json (+ tokenizer_config.json); default: the embedded model")
     p.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve on")
     p.add_argument("--decode-addr", default="127.0.0.1:50052",
                    help="DecodeService target, host:port or dns:///name:port (round-robin)")

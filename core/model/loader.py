@@ -6,7 +6,6 @@ model directory: a name in an index file cannot escape through ``..`` or a symli
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,34 +15,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from core.config import ConfigError, DType, ModelConfig
+from core.files import LoadError, read_json, resolve_inside
 from core.model.model import Transformer, rope_inv_freq
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16}
 PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints larger than this
-
-
-class LoadError(ValueError):
-    """A model directory that cannot be loaded; the message names file, tensor and expectation."""
-
-
-def resolve_inside(model_dir: Path, name: str) -> Path:
-    root = model_dir.resolve()
-    path = (root / name).resolve()
-    if path != root and root not in path.parents:
-        raise LoadError(f"{name!r} resolves to {path}, outside the model directory {root}")
-    return path
-
-
-def read_json(model_dir: Path, name: str, required: bool = True) -> dict | None:
-    path = resolve_inside(model_dir, name)
-    if not path.is_file():
-        if required:
-            raise LoadError(f"{model_dir}: missing {name}")
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise LoadError(f"{path}: not valid JSON ({e})") from e
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

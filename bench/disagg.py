@@ -1,0 +1,146 @@
+"""Disaggregated path against in-process generation: TTFT, inter-token latency, KV bytes on the wire.
+
+    python -m bench.disagg [--prompt-lens 128,512,1024] [--gen 32] [--repeats 3]
+
+For each KV dtype (fp8_e4m3, bf16) the three services start as real processes on loopback with the
+embedded model; each prompt length is sent through the front door (tokenizer_svc) `repeats` times,
+one request at a time, timing every streamed message at the client. The same prompts then run
+in-process (same model, weights and KV settings, paged cache) in this process. The KV bytes per
+prompt token come from a direct Prefill call (every chunk's bytes, scales included).
+Writes bench/out/disagg-<stamp>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+
+from core.cli import DEFAULT_MODEL_DIR
+from core.config import KVDtype
+from core.generate import generate_stream
+from core.runtime import EngineConfig, load_engine
+from core.sampling import SamplingParams
+from core.tokenizer import ModelTokenizer
+from protos import kvwire_pb2 as pb
+from protos import kvwire_pb2_grpc as pbg
+from tools.stack import Stack
+from tools.train_embedded import load_corpus
+
+OUT = Path(__file__).parent / "out"
+
+
+def prompt_ids(tok: ModelTokenizer, n: int) -> list[int]:
+    _, held, _ = load_corpus()
+    ids = [t for text in held for t in tok.encode(text, add_special_tokens=False)]
+    return ids[:n]
+
+
+async def served(addr: str, ids: list[int], gen: int) -> tuple[float, list[float]]:
+    """(TTFT, inter-token gaps) of one token-level request through decode_svc's Generate."""
+    async with grpc.aio.insecure_channel(addr) as ch:
+        stub = pbg.DecodeServiceStub(ch)
+        t0 = time.perf_counter()
+        stamps = []
+        async for msg in stub.Generate(pb.GenerateTokensRequest(
+                prompt_token_ids=ids, sampling=pb.SamplingParams(max_tokens=gen, ignore_eos=True))):
+            stamps += [time.perf_counter()] * len(msg.token_ids)
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+async def front_door(addr: str, text: str, gen: int) -> float:
+    async with grpc.aio.insecure_channel(addr) as ch:
+        t0 = time.perf_counter()
+        async for msg in pbg.TokenizerServiceStub(ch).Generate(pb.GenerateTextRequest(
+                text=text, sampling=pb.SamplingParams(max_tokens=gen, ignore_eos=True))):
+            if msg.token_ids:
+                return time.perf_counter() - t0
+    return float("nan")
+
+
+async def kv_bytes(addr: str, ids: list[int]) -> int:
+    async with grpc.aio.insecure_channel(addr) as ch:
+        total = 0
+        async for msg in pbg.PrefillServiceStub(ch).Prefill(pb.PrefillRequest(token_ids=ids)):
+            if msg.WhichOneof("kind") == "chunk":
+                c = msg.chunk
+                total += len(c.k_values) + len(c.v_values) + len(c.k_scales) + len(c.v_scales)
+        return total
+
+
+def in_process(engine, ids: list[int], gen: int) -> tuple[float, list[float]]:
+    t0 = time.perf_counter()
+    stamps = [time.perf_counter() for _ in generate_stream(
+        engine.model, ids, SamplingParams(max_tokens=gen, ignore_eos=True),
+        cache=engine.new_cache(engine.spec.pages_for(len(ids) + gen) + 2))]
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def summarize(runs: list[tuple[float, list[float]]]) -> dict:
+    gaps = [g for _, gs in runs for g in gs]
+    return {"ttft_ms": 1000 * statistics.median(t for t, _ in runs),
+            "itl_ms": 1000 * statistics.median(gaps), "itl_p99_ms": 1000 * sorted(gaps)[int(0.99 * (len(gaps) - 1))]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--prompt-lens", default="128,512,1024")
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv", default="fp8_e4m3,bf16")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    tok = ModelTokenizer(args.model_dir)
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    prompts = {n: prompt_ids(tok, n) for n in lens}
+    rows = []
+    for kv in args.kv.split(","):
+        engine = load_engine(EngineConfig(model_dir=args.model_dir, kv_dtype=KVDtype(kv)))
+        with Stack(model_dir=args.model_dir, kv_dtype=kv) as stack:
+            for n, ids in prompts.items():
+                asyncio.run(served(stack.addr("decode_svc"), ids, 4))  # warm the path
+                in_process(engine, ids, 4)
+                srv = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen)) for _ in range(args.repeats)]
+                loc = [in_process(engine, ids, args.gen) for _ in range(args.repeats)]
+                fd = statistics.median(asyncio.run(front_door(stack.addr("tokenizer_svc"), tok.decode(ids), args.gen))
+                                       for _ in range(args.repeats))
+                nbytes = asyncio.run(kv_bytes(stack.addr("prefill_svc"), ids))
+                row = {"kv": kv, "prompt_tokens": len(ids), "served": summarize(srv), "in_process": summarize(loc),
+                       "front_door_ttft_ms": 1000 * fd, "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / len(ids)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    report = {"benchmark": "disagg", "model": args.model_dir.name, "gen": args.gen, "repeats": args.repeats,
+              "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"disagg-{stamp}.json").write_text(json.dumps(report, indent=2))
+    md = markdown(report)
+    (args.out / f"disagg-{stamp}.md").write_text(md)
+    print(md)
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Model {report['model']}, batch 1, {report['gen']} generated tokens, median of {report['repeats']} runs.",
+             "", "| KV | prompt | TTFT served (ms) | TTFT in-process (ms) | ratio | TTFT via front door (ms) "
+             "| ITL served (ms) | ITL in-process (ms) | ratio | KV bytes/prompt token |", "|---" * 10 + "|"]
+    for r in report["rows"]:
+        s, p = r["served"], r["in_process"]
+        lines.append(f"| {r['kv']} | {r['prompt_tokens']} | {s['ttft_ms']:.1f} | {p['ttft_ms']:.1f} | "
+                     f"{s['ttft_ms'] / p['ttft_ms']:.2f}x | {r['front_door_ttft_ms']:.1f} | {s['itl_ms']:.2f} | "
+                     f"{p['itl_ms']:.2f} | {s['itl_ms'] / p['itl_ms']:.2f}x | {r['kv_bytes_per_token']:.0f} |")
+    fp8 = {r["prompt_tokens"]: r["kv_bytes_per_token"] for r in report["rows"] if r["kv"] == "fp8_e4m3"}
+    bf16 = {r["prompt_tokens"]: r["kv_bytes_per_token"] for r in report["rows"] if r["kv"] == "bf16"}
+    for n in sorted(set(fp8) & set(bf16)):
+        lines.append(f"\nKV on the wire, {n}-token prompt: fp8 {fp8[n]:.0f} B/token vs bf16 {bf16[n]:.0f} B/token "
+                     f"= {fp8[n] / bf16[n]:.3f}x")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
