@@ -91,7 +91,7 @@ class PrefillRunner:
         with self._lock:
             idx = torch.tensor(self.cache.page_ids(seq))
         k, v, ks, vs = self.cache.layer_tensors(layer)
-        pick = lambda t: t.view(torch.uint8)[idx].view(t.dtype)  # noqa: E731  (fp8 has no CPU index kernel)
+        pick = lambda t: t.view(torch.uint8)[idx].view(t.dtype)  # noqa: E731  (uint8 views: plain byte copies)
         return pick(k), pick(v), None if ks is None else ks[idx], None if vs is None else vs[idx]
 
     def release(self, seq: int) -> None:
