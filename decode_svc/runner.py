@@ -177,11 +177,25 @@ class _ExactMultiTokenStep:
                 ckpt_seqs={s: j for j, (s, _) in enumerate(ckpt)},
                 ckpt_pages=torch.tensor([pg for _, pg in ckpt], dtype=torch.int64, device=dev)))
         self.saved: dict[tuple[int, int], tuple] = {}  # (layer, round) -> copies of checkpoint pages
+        # bf16 pages have no scales, so a later write never changes an earlier entry: every round's
+        # query can attend over the final state at once, as one "virtual sequence" per (seq, round).
+        self.all_rows = torch.cat([rd["rows"] for rd in self.rounds])
+        width = max(rd["tables"].shape[1] for rd in self.rounds)
+        self.all_tables = torch.cat([torch.nn.functional.pad(rd["tables"], (0, width - rd["tables"].shape[1]),
+                                                             value=RELEASED) for rd in self.rounds])
+        self.all_ctx = torch.cat([rd["ctx"] for rd in self.rounds])
+        self.all_slots = torch.cat([rd["slots"] for rd in self.rounds])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None) -> torch.Tensor:
         k_pages, v_pages, k_scale, v_scale = self.cache.layer_tensors(layer)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        if k_scale is None:
+            rows = self.all_rows
+            dispatch.write_kv(k_pages, v_pages, k_scale, v_scale, k[rows], v[rows], self.all_slots)
+            out[rows] = dispatch.paged_decode_attention(q[rows], k_pages, v_pages, k_scale, v_scale, self.all_tables,
+                                                        self.all_ctx, window, self.cache.sm_scale)
+            return out
         for r, rd in enumerate(self.rounds):
             rows = rd["rows"]
             dispatch.write_kv(k_pages, v_pages, k_scale, v_scale, k[rows], v[rows], rd["slots"])

@@ -12,6 +12,9 @@ DEFAULT_MAX_TOKENS = 128
 
 _KV_DTYPE = {KVDtype.FP8_E4M3: pb.KVPageSpec.FP8_E4M3, KVDtype.BF16: pb.KVPageSpec.BF16}
 _KV_DTYPE_BACK = {v: k for k, v in _KV_DTYPE.items()}
+_SPEC_MODE = {None: pb.SamplingParams.SPECULATIVE_MODE_UNSPECIFIED, "none": pb.SamplingParams.NONE,
+              "draft": pb.SamplingParams.DRAFT, "ngram": pb.SamplingParams.NGRAM}
+_SPEC_MODE_BACK = {v: k for k, v in _SPEC_MODE.items()}
 
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
@@ -20,7 +23,10 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         max_tokens=m.max_tokens if m.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.HasField("top_p") else 1.0,
         seed=m.seed if m.HasField("seed") else None, stop_token_ids=tuple(m.stop_token_ids),
-        ignore_eos=m.ignore_eos)
+        ignore_eos=m.ignore_eos,
+        # An enum value this build does not know becomes a string validate() refuses by name.
+        speculative=_SPEC_MODE_BACK.get(m.speculative, f"unknown enum value {m.speculative}"),
+        num_speculative_tokens=m.num_speculative_tokens if m.HasField("num_speculative_tokens") else None)
 
 
 def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
@@ -28,6 +34,10 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
                           stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
     if p.seed is not None:
         m.seed = p.seed
+    if p.speculative is not None:
+        m.speculative = _SPEC_MODE[p.speculative]
+    if p.num_speculative_tokens is not None:
+        m.num_speculative_tokens = p.num_speculative_tokens
     return m
 
 

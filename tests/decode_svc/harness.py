@@ -19,17 +19,20 @@ from decode_svc.engine import DecodeEngine
 from decode_svc.runner import DecodeRunner
 from decode_svc.scheduler import Scheduler, SchedulerConfig
 from decode_svc.server import DecodeServicer
+from decode_svc.speculative import SpecConfig
 from prefill_svc.runner import PrefillRunner
 from prefill_svc.server import PrefillServicer
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc as pbg
 
 
-def tiny_model(path: Path, seed: int = 0) -> Path:
+def tiny_model(path: Path, seed: int = 0, vocab_size: int = 300, hidden_size: int = 64,
+               num_layers: int = 3) -> Path:
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)).save_pretrained(path)
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=None, bos_token_id=None)).save_pretrained(path)
     return path
 
 
@@ -37,8 +40,10 @@ class Harness:
     """``async with Harness(cfg) as h``: h.decode (stub), h.prefill_runner, h.engine (DecodeEngine)."""
 
     def __init__(self, cfg: EngineConfig, prefill_cfg: EngineConfig | None = None, decode_pages: int = 64,
-                 prefill_wrapper=None, max_waiting: int = 8, prefill_addr: str | None = None):
+                 prefill_wrapper=None, max_waiting: int = 8, prefill_addr: str | None = None,
+                 draft_cfg: EngineConfig | None = None, spec_config: SpecConfig = SpecConfig()):
         self.cfg, self.prefill_cfg = cfg, prefill_cfg or cfg
+        self.draft_cfg, self.spec_config = draft_cfg, spec_config
         self.decode_pages, self.prefill_wrapper = decode_pages, prefill_wrapper
         self.max_waiting, self.prefill_addr = max_waiting, prefill_addr
 
@@ -52,11 +57,13 @@ class Harness:
         self.prefill_server.add_service(pbg.add_PrefillServiceServicer_to_server, servicer, "kvwire.v1.PrefillService")
         port = await self.prefill_server.start("127.0.0.1:0")
         engine = load_engine(dataclasses.replace(self.cfg, num_pages=self.decode_pages))
-        runner = DecodeRunner(engine, self.decode_pages)
+        draft = load_engine(self.draft_cfg) if self.draft_cfg is not None else None
+        runner = DecodeRunner(engine, self.decode_pages, draft)
         runner.warm_up()
         self.channel = build_channel(self.prefill_addr or f"127.0.0.1:{port}", tracing=False)
         scheduler = Scheduler(SchedulerConfig(self.decode_pages, self.cfg.block_size, max_waiting=self.max_waiting))
-        self.engine = DecodeEngine(runner, scheduler, pbg.PrefillServiceStub(self.channel))
+        self.engine = DecodeEngine(runner, scheduler, pbg.PrefillServiceStub(self.channel),
+                                   spec_config=self.spec_config)
         self.engine.start()
         lazy = Lazy(DecodeServicer, "decode_svc")
         lazy.set(DecodeServicer(self.engine))

@@ -1,0 +1,140 @@
+"""Speculative decoding as pure functions: n-gram proposals, the acceptance rule, adapting k.
+
+No model, cache, asyncio or gRPC here (gpt-fast's ``speculative_decode`` split): the engine asks
+for proposals, runs one target forward over ``[pending token] + proposals`` and hands the logits
+to ``accept_greedy`` / ``accept_sampled``, which say which tokens come out of the step.
+
+Reproducibility: every random draw is derived from (seed, index of the generated token), as in
+``core.sampling``: the acceptance uniform and the residual sample for generated token i come from
+``step_generator(seed, i)``, the draft's proposal for token i from ``draft_generator(seed, i)``. So a
+seeded request gives the same tokens whatever it was batched with.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.sampling import SamplingParams, probabilities, sample, step_generator
+
+_DRAFT_SALT = 0x5EC0_D4AF_7000  # separates the draft's proposal draws from the target's draws
+
+
+def draft_generator(seed: int | None, step: int) -> torch.Generator:
+    """The generator the draft samples its proposal for generated token ``step`` with."""
+    return step_generator(None if seed is None else seed ^ _DRAFT_SALT, step)
+
+
+def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (longest n first,
+    ``max_n`` down to ``min_n``) and propose the up to ``k`` tokens that followed it; [] if none.
+
+    ``tokens`` is the whole context: prompt + generated, ending with the token about to be fed.
+    """
+    if k <= 0 or len(tokens) < 2:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, len(arr) - 1), min_n - 1, -1):
+        suffix = arr[-n:]
+        # windows[i] = arr[i:i+n] for i in [0, len - n - 1]: starts whose continuation is non-empty
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start:start + k].tolist()
+    return []
+
+
+# ---- the acceptance rule -------------------------------------------------------------------------
+#
+# The target scores [t, d_1 .. d_k] in one forward pass: row i of its logits is p_i, the target's
+# distribution for the token after d_i (row 0: after t). For i = 1..k in order:
+#
+#   greedy:   accept d_i while d_i == argmax p_{i-1}; at the first mismatch emit argmax p_{i-1}
+#             and stop. Every emitted token is the target's argmax given exactly the tokens before
+#             it, so the output equals non-speculative greedy decoding token for token.
+#   sampling: draw u ~ U[0, 1); accept d_i if u < min(1, p_{i-1}(d_i) / q_{i-1}(d_i)), where q is
+#             the distribution d_i was drawn from. On rejection emit a sample from the residual
+#             max(0, p_{i-1} - q_{i-1}) / sum(max(0, p_{i-1} - q_{i-1})) and stop.
+#             (Leviathan et al. 2023, Chen et al. 2023: the emitted token is then distributed
+#             exactly as p_{i-1}, whatever q is.) For n-gram proposals q is a point mass on d_i:
+#             accept with probability p_{i-1}(d_i); the residual is p_{i-1} with d_i removed,
+#             renormalised.
+#   all k accepted: emit a bonus token from p_k (argmax when greedy).
+#
+# So a step emits between 1 and k + 1 tokens, and p, q are the *processed* distributions
+# (temperature, top-k, top-p applied, as ``core.sampling.probabilities``), the ones
+# non-speculative sampling draws from.
+
+
+def accept_greedy(target_logits: torch.Tensor, proposed: Sequence[int]) -> list[int]:
+    """target_logits: [k + 1, vocab] for [t, d_1..d_k] -> the emitted tokens (1..k + 1)."""
+    greedy = SamplingParams()
+    out = []
+    for i, d in enumerate(proposed):
+        best = sample(target_logits[i], greedy, 0)  # the very argmax the plain decode path takes
+        out.append(best)
+        if best != d:
+            return out
+    out.append(sample(target_logits[len(proposed)], greedy, 0))
+    return out
+
+
+def accept_sampled(target_logits: torch.Tensor, proposed: Sequence[int], draft_probs: torch.Tensor | None,
+                   params: SamplingParams, first_step: int) -> list[int]:
+    """The sampling rule above. target_logits: [k + 1, vocab]; draft_probs: [k, vocab] (the q each
+    d_i was drawn from) or None for point-mass (n-gram) proposals; ``first_step``: the generated-token
+    index of d_1 (seeds the draws). Returns the emitted tokens (1..k + 1)."""
+    out = []
+    for i, d in enumerate(proposed):
+        p = probabilities(target_logits[i], params)  # [vocab]
+        g = step_generator(params.seed, first_step + i)
+        u = float(torch.rand((), generator=g))
+        q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
+        if u * q_d < float(p[d]):  # u < p/q without dividing; q_d > 0 since d was drawn from q
+            out.append(d)
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_min(0.0)
+        total = float(residual.sum())
+        # Rejection has probability sum(residual); a zero residual means rounding rejected a sure
+        # acceptance, and p itself is then the right distribution.
+        residual = residual / total if total > 0 else p
+        out.append(int(torch.multinomial(residual, 1, generator=g)))
+        return out
+    out.append(sample(target_logits[len(proposed)], params, first_step + len(proposed)))
+    return out
+
+
+def draft_sample(draft_logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int, torch.Tensor | None]:
+    """The draft's proposal for generated token ``step`` and the distribution q it came from
+    (None when greedy: the target then checks argmax equality and needs no q)."""
+    if params.greedy:
+        return int(torch.argmax(draft_logits)), None
+    q = probabilities(draft_logits, params)  # [vocab]
+    return int(torch.multinomial(q, 1, generator=draft_generator(params.seed, step))), q
+
+
+def adapt_k(k: int, proposed: int, accepted: int, k_max: int) -> int:
+    """Next step's k from this step's outcome (Hugging Face assisted generation's heuristic):
+    all accepted -> k + 2, any rejected -> k - 1, kept in [1, k_max]. Per request, so a seeded
+    request's output does not depend on what it was batched with."""
+    if proposed == 0:
+        return k
+    return max(1, min(k_max, k + 2 if accepted == proposed else k - 1))
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """decode_svc's speculative decoding defaults (built once in ``__main__``)."""
+
+    mode: str = "none"  # a request's speculative=None means this: "none" | "draft" | "ngram"
+    num_tokens: int = 4  # k when a request does not set num_speculative_tokens
+    adaptive: bool = True  # adapt k per request to its acceptance (adapt_k), at most the requested k
+    ngram_max: int = 3  # n-gram lookup tries suffixes of ngram_max .. ngram_min tokens
+    ngram_min: int = 1
