@@ -28,7 +28,8 @@ from tqdm import tqdm
 from core.cli import DEFAULT_MODEL_DIR
 from core.config import KVDtype
 from core.runtime import EngineConfig, load_engine
-from core.sampling import SamplingParams, sample
+from core.sampler import sample
+from core.sampling import SamplingParams
 from core.tokenizer import ModelTokenizer
 from decode_svc.engine import DecodeEngine, _Request
 from decode_svc.runner import DecodeRunner

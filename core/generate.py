@@ -13,7 +13,8 @@ import torch
 
 from core.kv.dense import DenseKVCache
 from core.model.model import Transformer
-from core.sampling import SamplingParams, sample
+from core.sampler import sample
+from core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

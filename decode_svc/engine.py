@@ -23,7 +23,8 @@ from prometheus_client import Counter, Histogram
 
 from core.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from core.kv.wire import TransferTracker, WireError, decode_chunk
-from core.sampling import SamplingParams, sample
+from core.sampler import sample
+from core.sampling import SamplingParams
 from decode_svc import speculative as spec
 from decode_svc.runner import DecodeRunner
 from decode_svc.scheduler import AdmissionError, Phase, Scheduler, SeqState

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.sampling import SamplingParams, probabilities, sample, step_generator
+from core.sampler import probabilities, sample, step_generator
+from core.sampling import SamplingParams
 
 _DRAFT_SALT = 0x5EC0_D4AF_7000  # separates the draft's proposal draws from the target's draws
 
@@ -65,7 +66,7 @@ def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1)
 #   all k accepted: emit a bonus token from p_k (argmax when greedy).
 #
 # So a step emits between 1 and k + 1 tokens, and p, q are the *processed* distributions
-# (temperature, top-k, top-p applied, as ``core.sampling.probabilities``), the ones
+# (temperature, top-k, top-p applied, as ``core.sampler.probabilities``), the ones
 # non-speculative sampling draws from.
 
 

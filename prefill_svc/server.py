@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from core.errors import FailedPrecondition
 from core.kv.wire import encode_layer
-from core.sampling import sample
+from core.sampler import sample
 from prefill_svc.runner import PrefillRunner
 from protos import convert as conv
 from protos import kvwire_pb2 as pb

@@ -4,7 +4,6 @@ from __future__ import annotations
 from core.config import KVDtype
 from core.fingerprint import Fingerprint
 from core.kv.spec import KVPageSpec, ScaleGranularity
-from core.kv.wire import KVChunk
 from core.sampling import SamplingParams
 from protos import kvwire_pb2 as pb
 
@@ -69,11 +68,12 @@ def fingerprint_from_pb(m: pb.ModelFingerprint) -> Fingerprint:
                        weights_dtype=m.weights_dtype)
 
 
-def chunk_to_pb(c: KVChunk) -> pb.KVChunk:
+def chunk_to_pb(c) -> pb.KVChunk:
     return pb.KVChunk(layer=c.layer, first_page=c.first_page, num_pages=c.num_pages, k_values=c.k,
                       v_values=c.v, k_scales=c.k_scales, v_scales=c.v_scales, crc32=c.crc32)
 
 
-def chunk_from_pb(m: pb.KVChunk) -> KVChunk:
+def chunk_from_pb(m: pb.KVChunk):
+    from core.kv.wire import KVChunk  # here, not at the top: the tokenizer service never loads torch
     return KVChunk(layer=m.layer, first_page=m.first_page, num_pages=m.num_pages, k=m.k_values, v=m.v_values,
                    k_scales=m.k_scales, v_scales=m.v_scales, crc32=m.crc32)

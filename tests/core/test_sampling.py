@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.sampling import SamplingParams, probabilities, sample
+from core.sampler import probabilities, sample
+from core.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, msg", [

@@ -12,7 +12,8 @@ import torch
 from core.config import KVDtype
 from core.generate import generate
 from core.runtime import EngineConfig, load_engine
-from core.sampling import SamplingParams, probabilities
+from core.sampler import probabilities
+from core.sampling import SamplingParams
 from decode_svc import engine as engine_mod
 from decode_svc import speculative as spec
 from decode_svc.engine import DecodeEngine, _Request

@@ -1,0 +1,77 @@
+"""Every benchmark end to end in a tiny configuration (seconds, not a measurement: no speed is
+asserted). One stack of real service processes over a tiny model + tokenizer serves the serve,
+tokenizer and kv runs (through their ``--addr`` options); engine builds the ``tiny`` shape in tmp.
+
+    python -m pytest -q tests/bench
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import __main__ as cli
+from tools.stack import Stack
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir):
+    with Stack(model_dir=tiny_dir, decode_pages=256, prefill_pages=128) as s:
+        yield s
+
+
+def outputs(out, name):
+    files = {p.suffix: p for p in out.glob(f"{name}-*")}
+    report = json.loads(files[".json"].read_text())
+    assert report["benchmark"] == name and files[".md"].read_text().startswith(("Front", "Model", "KV", "Token"))
+    return report, sorted(p.name for p in out.glob("*.png"))
+
+
+def test_cli_lists_benchmarks(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(n in out for n in ("serve", "engine", "tokenizer", "kv", "all"))
+
+
+def test_serve(stack, tiny_dir, tmp_path):
+    cli.main(["serve", "--addr", stack.addr("tokenizer_svc"), "--model-dir", str(tiny_dir), "--num-prompts", "4",
+              "--concurrency", "1,2", "--input-len", "12", "--output-len", "3", "--dataset", "random",
+              "--out", str(tmp_path)])
+    report, pngs = outputs(tmp_path, "serve")
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    assert all(lv["completed"] == 4 and lv["output_tokens"] == 12 for lv in report["levels"])
+    assert report["machine"]["memory_bandwidth_gbs"] > 0
+    assert len(pngs) == 2
+
+
+def test_tokenizer(stack, tiny_dir, tmp_path):
+    cli.main(["tokenizer", "--addr", stack.addr("tokenizer_svc"), "--model-dir", str(tiny_dir),
+              "--num-texts", "8", "--detok-tokens", "64", "--concurrency", "4", "--out", str(tmp_path)])
+    report, _ = outputs(tmp_path, "tokenizer")
+    assert set(report["rpc"]) == {"1", "4"} and report["detokenize"]["tokens"] == 64
+    assert report["detokenize"]["same_text"]
+
+
+def test_kv(stack, tiny_dir, tmp_path):
+    cli.main(["kv", "--addr", stack.addr("prefill_svc"), "--model-dir", str(tiny_dir), "--kv", stack.kv_dtype,
+              "--prompt-lens", "20", "--repeats", "1", "--out", str(tmp_path)])
+    report, pngs = outputs(tmp_path, "kv")
+    (row,) = report["rows"]
+    assert row["bytes_per_token"] > 0 and len(row["layer_arrival_ms"]) == row["layers"] == 2
+    assert len(pngs) == 1
+
+
+def test_engine(tmp_path):
+    cli.main(["engine", "--model", "tiny", "--models-dir", str(tmp_path / "models"), "--weights", "none",
+              "--kv", "fp8_e4m3", "--peers", "transformers-fp32,llama.cpp-f16", "--prompt-len", "16",
+              "--decode-tokens", "2", "--batches", "1,2", "--batch-ctx", "8", "--threads", "1", "--in-process",
+              "--out", str(tmp_path)])
+    report, pngs = outputs(tmp_path, "engine")
+    rows = {r["engine"]: r for r in report["results"]}
+    assert not any(r.get("error") for r in rows.values()), rows
+    assert set(rows["kvwire none/fp8_e4m3"]["batched_tok_s"]) == {"1", "2"}
+    assert rows["kvwire none/fp8_e4m3"]["peak_rss_mb"] > 0 and "transformers-fp32" in rows
+    assert rows["kvwire none/fp8_e4m3"]["weight_bytes_per_token"] == rows["transformers-fp32"]["weight_bytes_per_token"]
+    assert ("llama.cpp-f16" in rows) == report["llama_cpp"].startswith("llama-cpp-python")
+    assert len(pngs) == 1
