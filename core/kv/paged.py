@@ -10,8 +10,9 @@ Per sequence, a step's attention is one of:
     full-precision K/V (exactly what DenseKVCache computes); the K/V are also written to pages;
   - one-token decode: write, then ``paged_decode_attention`` over the pages, batched over all
     decode sequences of the step in one call;
-  - several tokens after existing context (speculative verify): write, dequantize that
-    sequence's visible pages, masked sdpa.
+  - several tokens after existing context (chunked scoring, e.g. bench/accuracy.py): write,
+    dequantize that sequence's visible pages, masked sdpa (decode_svc verifies speculative
+    tokens one round at a time through the decode kernel instead, see decode_svc/runner.py);
 Rejected speculative tokens are dropped with ``truncate``; a kept page's scale may stay larger
 than its remaining entries need (scales only grow), which costs a little precision, never
 correctness.
