@@ -1,6 +1,6 @@
 """Accuracy cost of every weight x KV mode on the embedded model's held-out text.
 
-    python -m bench.accuracy [--model-dir models/kvwire-tiny] [--max-tokens 16384]
+    python -m bench accuracy [--model-dir models/kvwire-tiny] [--max-tokens 16384]
 
 For weights {bf16, int8, fp8} x KV pages {bf16, fp8}:
   - perplexity over held-out windows (the topics tools/train_embedded.py held out). Each window is
@@ -10,19 +10,18 @@ For weights {bf16, int8, fp8} x KV pages {bf16, fp8}:
     teacher-forced top-1 agreement on bf16/bf16's tokens, and the mean length of the identical
     free-running prefix.
 Budgets (issue 3): int8 weights +1% perplexity, fp8 weights +2%, fp8 KV alone +0.5%.
-Writes bench/out/accuracy-<stamp>.{json,md}.
+Writes bench/out/accuracy-<model>-<stamp>.{json,md}.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from bench import common
 from core.cli import DEFAULT_MODEL_DIR
 from core.config import KVDtype, QuantMode
 from core.generate import generate
@@ -31,7 +30,7 @@ from core.sampling import SamplingParams
 from core.tokenizer import ModelTokenizer
 from tools.train_embedded import load_corpus
 
-OUT = Path(__file__).parent / "out"
+OUT = common.OUT
 WEIGHTS = (QuantMode.BF16, QuantMode.INT8, QuantMode.FP8)
 KVS = (KVDtype.BF16, KVDtype.FP8_E4M3)
 BUDGET = {QuantMode.BF16: 0.0, QuantMode.INT8: 1.0, QuantMode.FP8: 2.0}  # % perplexity, weights alone
@@ -98,12 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"benchmark": "accuracy", "model": str(args.model_dir.name), "held_out_tokens": len(windows) * args.window,
               "windows": len(windows), "prompts": len(prompts), "generated": args.gen, "results": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"accuracy-{stamp}.json").write_text(json.dumps(report, indent=2))
-    md = markdown(report)
-    (args.out / f"accuracy-{stamp}.md").write_text(md)
-    print(md)
+    common.save(report, markdown(report), args.out)
     return report
 
 

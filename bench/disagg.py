@@ -1,13 +1,13 @@
 """Disaggregated path against in-process generation: TTFT, inter-token latency, KV bytes on the wire.
 
-    python -m bench.disagg [--prompt-lens 128,512,1024] [--gen 32] [--repeats 3]
+    python -m bench disagg [--prompt-lens 128,512,1024] [--gen 32] [--repeats 3]
 
 For each KV dtype (fp8_e4m3, bf16) the three services start as real processes on loopback with the
 embedded model; each prompt length is sent through the front door (tokenizer_svc) `repeats` times,
 one request at a time, timing every streamed message at the client. The same prompts then run
 in-process (same model, weights and KV settings, paged cache) in this process. The KV bytes per
 prompt token come from a direct Prefill call (every chunk's bytes, scales included).
-Writes bench/out/disagg-<stamp>.{json,md}.
+Writes bench/out/disagg-<model>-<stamp>.{json,md}.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from bench import common
 from core.cli import DEFAULT_MODEL_DIR
 from core.config import KVDtype
 from core.generate import generate_stream
@@ -31,7 +32,7 @@ from protos import kvwire_pb2_grpc as pbg
 from tools.stack import Stack
 from tools.train_embedded import load_corpus
 
-OUT = Path(__file__).parent / "out"
+OUT = common.OUT
 
 
 def prompt_ids(tok: ModelTokenizer, n: int) -> list[int]:
@@ -116,12 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(json.dumps(row), flush=True)
     report = {"benchmark": "disagg", "model": args.model_dir.name, "gen": args.gen, "repeats": args.repeats,
               "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"disagg-{stamp}.json").write_text(json.dumps(report, indent=2))
-    md = markdown(report)
-    (args.out / f"disagg-{stamp}.md").write_text(md)
-    print(md)
+    common.save(report, markdown(report), args.out)
     return report
 
 

@@ -1,160 +1,126 @@
-"""Engine benchmark: batch-1 prefill and decode tokens/s, ours against transformers on the same weights.
+"""Engine benchmark: ours (each weight x KV mode, paged cache) against transformers and llama.cpp on
+the same weights and token ids: prefill tokens/s, batch-1 decode tokens/s, batched decode at
+batch 1/4/16, peak memory.
 
-    python -m bench.engine --model tinyllama-1.1b --prompt-len 512 --decode-tokens 32
+    python -m bench engine --model smollm2-135m [--weights none,bf16,int8,fp8] [--kv fp8_e4m3,bf16] \
+        [--peers transformers-fp32,transformers-bf16,llama.cpp-f16,llama.cpp-q8_0] \
+        [--prompt-len 512] [--decode-tokens 32] [--batches 1,4,16] [--batch-ctx 128]
 
-Builds the random-weight model locally (bench/shapes.py), measures the machine's memory bandwidth
-in the same run, and reports each decode figure as a share of the bandwidth roofline
-(weight bytes read per token / bandwidth). Writes JSON and a markdown table under bench/out/.
+``--model`` is a random-weight shape built locally (bench/shapes.py) or ``--model-dir`` any HF
+Llama directory (the embedded model). Every configuration runs in its own process
+(bench/engine_runs.py says how each phase is timed) so its peak RSS is its own; memory bandwidth
+is measured in the same run, and each batch-1 decode figure is put against the roofline
+bandwidth / (weight bytes read per token). llama.cpp runs when ``llama-cpp-python`` and ``gguf``
+import; otherwise the report says why.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import time
-from dataclasses import asdict, dataclass
+import subprocess
+import sys
 from pathlib import Path
 
-import torch
+from tqdm import tqdm
 
-from bench import machine, shapes
-from core.config import DType, QuantMode
-from core.kv.dense import DenseKVCache
-from core.model.loader import load_model
+from bench import common, llamacpp, machine, plots, shapes
 
-OUT = Path(__file__).parent / "out"
+PEERS = {"transformers-fp32": ("transformers", "none"), "transformers-bf16": ("transformers", "bf16"),
+         "llama.cpp-f16": ("llama.cpp", "f16"), "llama.cpp-q8_0": ("llama.cpp", "q8_0")}
 
 
-@dataclass
-class Result:
-    engine: str
-    prefill_tok_s: float
-    decode_tok_s: float
-    weight_bytes_per_token: int
-    roofline_tok_s: float
-    roofline_pct: float
-
-
-def linear_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every linear's stored weights (the embedding reads one row)."""
-    total = 0
-    for name, mod in model.named_modules():
-        if name.endswith(("qkv", ".o", "gate_up", "down", "lm_head")):
-            total += sum(t.numel() * t.element_size() for t in list(mod.parameters()) + list(mod.buffers()))
-    return total
-
-
-def time_ours(model_dir: Path, dtype: DType, quant: QuantMode, prompt: torch.Tensor, n_decode: int):
-    loaded = load_model(model_dir, dtype=dtype, progress=True)
-    model = loaded.model
-    if quant not in (QuantMode.NONE, QuantMode.BF16):
-        from core.model.quant import quantize_model
-        model = quantize_model(model, quant)
-    n = prompt.numel()
-
-    def run(decode_steps: int) -> tuple[float, float]:
-        cache = DenseKVCache(loaded.config, 1, n + decode_steps + 1, dtype=torch.float32)
-        t0 = time.perf_counter()
-        logits = model(prompt, cache.prepare([0], [n]), cache, logits_rows=torch.tensor([n - 1]))
-        tok = int(logits[0].argmax())
-        t1 = time.perf_counter()
-        for _ in range(decode_steps):
-            logits = model(torch.tensor([tok]), cache.prepare([0], [1]), cache)
-            tok = int(logits[0].argmax())
-        return t1 - t0, time.perf_counter() - t1
-
-    run(2)  # warm up allocator and kernels
-    prefill_s, decode_s = run(n_decode)
-    wbytes = linear_weight_bytes(model)
-    del model, loaded
-    gc.collect()
-    return n / prefill_s, n_decode / decode_s, wbytes
-
-
-def time_transformers(model_dir: Path, dtype: torch.dtype, prompt: torch.Tensor, n_decode: int):
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    ids = prompt[None]
-    mask = torch.ones_like(ids)
-
-    def gen(k: int) -> float:
-        t = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
-                        pad_token_id=0)
-        return time.perf_counter() - t
-
-    gen(2)
-    first = gen(1)  # prefill + one token
-    total = gen(n_decode + 1)
-    wbytes = linear_weight_bytes_hf(hf)
-    del hf
-    gc.collect()
-    return prompt.numel() / first, n_decode / (total - first), wbytes
-
-
-def linear_weight_bytes_hf(hf) -> int:
-    return sum(m.weight.numel() * m.weight.element_size() for m in hf.modules()
-               if isinstance(m, torch.nn.Linear))
+def run_one(spec: dict, timeout_s: float, in_process: bool = False) -> dict:
+    if in_process:  # quick runs (smoke test): no isolation, so peak RSS is this whole process's
+        from bench.engine_runs import run_spec
+        return run_spec(spec)
+    proc = subprocess.run([sys.executable, "-m", "bench.engine_runs", json.dumps(spec)], cwd=common.ROOT,
+                          stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        return {"error": f"exit code {proc.returncode}: {proc.stdout[-300:]}"}
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tinyllama-1.1b", choices=sorted(shapes.SHAPES))
+    ap = argparse.ArgumentParser(prog="python -m bench engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(shapes.SHAPES))
+    ap.add_argument("--model-dir", type=Path, help="an HF Llama directory instead of a --model shape")
+    ap.add_argument("--models-dir", type=Path, default=common.MODELS)
+    ap.add_argument("--weights", default="none,bf16,int8,fp8")
+    ap.add_argument("--kv", default="fp8_e4m3,bf16")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ", ".join(PEERS) + " (empty: none)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--ours", default="bf16,fp32", help="comma list of weight modes: fp32,bf16,int8,fp8")
-    ap.add_argument("--peers", default="transformers-fp32,transformers-bf16",
-                    help="comma list: transformers-fp32, transformers-bf16 (empty for none)")
-    ap.add_argument("--models-dir", type=Path, default=Path(__file__).parent / ".models")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--batch-ctx", type=int, default=128, help="context of each sequence in batched decode")
+    ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (0: torch's default)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every configuration in this process (quick; peak RSS is then not per engine)")
+    ap.add_argument("--timeout-s", type=float, default=1800, help="per configuration")
+    ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
 
-    model_dir = shapes.build(args.model, args.models_dir)
+    model_dir = args.model_dir or shapes.build(args.model, args.models_dir)
     facts = machine.facts()
-    bw = facts["memory_bandwidth_gbs"] * 1e9
-    prompt = torch.randint(3, shapes.SHAPES[args.model]["vocab_size"], (args.prompt_len,),
-                           generator=torch.Generator().manual_seed(0))
-    results = []
-    for mode in filter(None, args.ours.split(",")):
-        dtype = DType.FP32 if mode == "fp32" else DType.BF16
-        quant = QuantMode.NONE if mode in ("fp32", "bf16") else QuantMode(mode)
-        p, d, wb = time_ours(model_dir, dtype, quant, prompt, args.decode_tokens)
-        results.append(Result(f"kvwire {mode}", p, d, wb, bw / wb, 100 * d / (bw / wb)))
-        print(results[-1], flush=True)
+    base = {"model_dir": str(model_dir), "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
+            "batches": [int(b) for b in args.batches.split(",")], "batch_ctx": args.batch_ctx,
+            "threads": args.threads or facts["torch_threads"], "isolated": not args.in_process}
+    configs = [(f"kvwire {w}/{kv}", {"engine": "kvwire", "weights": w, "kv": kv})
+               for w in filter(None, args.weights.split(",")) for kv in filter(None, args.kv.split(","))]
+    llama_ok, llama_status = llamacpp.status()
     for peer in filter(None, args.peers.split(",")):
-        dtype = torch.float32 if peer.endswith("fp32") else torch.bfloat16
-        p, d, wb = time_transformers(model_dir, dtype, prompt, args.decode_tokens)
-        results.append(Result(peer, p, d, wb, bw / wb, 100 * d / (bw / wb)))
-        print(results[-1], flush=True)
-
-    report = {"benchmark": "engine", "model": args.model, "prompt_len": args.prompt_len,
-              "decode_tokens": args.decode_tokens, "machine": facts, "results": [asdict(r) for r in results]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"engine-{args.model}-{stamp}.json").write_text(json.dumps(report, indent=2))
-    md = markdown(report)
-    (args.out / f"engine-{args.model}-{stamp}.md").write_text(md)
-    print(md)
+        engine, w = PEERS[peer]
+        if engine != "llama.cpp" or llama_ok:
+            configs.append((peer, {"engine": engine, "weights": w}))
+    results = []
+    for name, spec in tqdm(configs, desc="engine configurations", unit="run"):
+        tqdm.write(f"-- {name}")
+        try:
+            res = run_one({**base, **spec}, args.timeout_s, args.in_process)
+        except subprocess.TimeoutExpired:
+            res = {"error": f"timed out after {args.timeout_s:.0f} s"}
+        res = {**spec, **res, "engine": name, "kind": spec["engine"]}
+        if "decode_tok_s" in res:
+            roof = facts["memory_bandwidth_gbs"] * 1e9 / res["weight_bytes_per_token"]
+            res |= {"roofline_tok_s": roof, "roofline_pct": 100 * res["decode_tok_s"] / roof}
+        results.append(res)
+        tqdm.write(json.dumps({k: v for k, v in res.items() if k != "model_dir"}))
+    report = {"benchmark": "engine", "model": args.model_dir.name if args.model_dir else args.model, **base,
+              "machine": facts, "llama_cpp": llama_status if llama_ok else f"not run: {llama_status}",
+              "results": results}
+    common.save(report, markdown(report), args.out, plots.engine)
     return report
 
 
 def markdown(report: dict) -> str:
-    rows = report["results"]
-    base = {r["engine"]: r for r in rows}
-    peer = base.get("transformers-fp32") or (rows[-1] if rows else None)
-    lines = [f"Model {report['model']} (random weights), batch 1, prompt {report['prompt_len']}, "
-             f"{report['decode_tokens']} decode tokens; memory bandwidth "
-             f"{report['machine']['memory_bandwidth_gbs']} GB/s measured in the same run.", "",
-             "| engine | prefill tok/s | decode tok/s | weight MB/token | roofline tok/s | % of roofline "
-             f"| prefill vs {peer['engine'] if peer else '-'} | decode vs {peer['engine'] if peer else '-'} |",
-             "|---|---|---|---|---|---|---|---|"]
+    f, rows = common.fmt, report["results"]
+    bs = [str(b) for b in report["batches"]]
+    lines = [f"Model {report['model']}, same weights and token ids for every engine; prompt {report['prompt_len']} "
+             f"tokens, {report['decode_tokens']} greedy decode steps; batched decode: b sequences of "
+             f"{report['batch_ctx']} tokens stepped together; {report['threads']} threads. Each row is one process; peak RSS includes "
+             f"the {f(min((r.get('baseline_rss_mb') or 1e9) for r in rows), 0)} MB or so of imports. "
+             f"llama.cpp: {report['llama_cpp']}.", machine.describe(report["machine"]), ""]
+    body = []
     for r in rows:
-        rp = f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x" if peer else "-"
-        rd = f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x" if peer else "-"
-        lines.append(f"| {r['engine']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} | "
-                     f"{r['weight_bytes_per_token'] / 1e6:.0f} | {r['roofline_tok_s']:.2f} | "
-                     f"{r['roofline_pct']:.0f}% | {rp} | {rd} |")
+        if r.get("error"):
+            body.append([r["engine"], f"error: {r['error'][:80]}"] + ["-"] * (5 + len(bs)))
+            continue
+        bt = r.get("batched_tok_s", {})
+        body.append([r["engine"], f(r["prefill_tok_s"]), f(r["decode_tok_s"], 2)] + [f(bt.get(b), 1) for b in bs]
+                    + [f(r["peak_rss_mb"], 0), f(r["weight_bytes_per_token"] / 1e6, 0), f"{r['roofline_pct']:.0f}%"])
+    lines.append(common.table(["engine", "prefill tok/s", "decode tok/s (batch 1, after the prompt)"]
+                              + [f"batch {b} tok/s (ctx {report['batch_ctx']})" for b in bs]
+                              + ["peak RSS MB", "weight MB/token", "% of roofline"], body))
+    ours = [r for r in rows if r["engine"].startswith("kvwire") and not r.get("error")]
+    peers = [r for r in rows if not r["engine"].startswith("kvwire") and not r.get("error")]
+    if ours and peers:
+        for key, label in (("decode_tok_s", "batch-1 decode"), ("prefill_tok_s", "prefill"),
+                           (f"batch {bs[-1]}", f"batch-{bs[-1]} decode")):
+            get = (lambda r: r["batched_tok_s"].get(bs[-1])) if key.startswith("batch ") else (lambda r, k=key: r[k])
+            lines += ["", f"Ratio ours/peer, {label} tokens/s:", "",
+                      common.table(["ours \\ peer"] + [p["engine"] for p in peers],
+                                   [[o["engine"]] + [common.ratio(get(o), get(p)) for p in peers] for o in ours])]
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,10 @@
-"""Facts about the machine measured in the same run as the benchmarks that use them."""
+"""Facts about the machine measured in the same run as the benchmarks that use them.
+
+The CPU's instruction sets are read from /proc/cpuinfo every run (shared/MEASURED.md says "no
+AVX-512" but the machines handed out have differed), and memory bandwidth is measured here, not
+copied from a document. The load average is recorded too: on a shared 2-core machine, torch's
+2 OpenMP threads slow small ops down by orders of magnitude when other processes hold a core.
+"""
 from __future__ import annotations
 
 import os
@@ -7,8 +13,10 @@ import time
 
 import torch
 
+ISA = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
 
-def memory_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
+
+def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
     """STREAM-style copy bandwidth (bytes read + bytes written per second), best of `repeats`."""
     a = torch.ones(mib << 18)  # mib MiB of float32
     b = torch.empty_like(a)
@@ -21,7 +29,30 @@ def memory_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / best / 1e9
 
 
-def facts() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2)}
+def cpu_info() -> dict:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {"cpu": model, "isa": [f for f in ISA if f in flags], "memory_gib": round(mem / 2**30, 1)}
+
+
+def facts(bandwidth: bool = True) -> dict:
+    return {**cpu_info(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2) if bandwidth else None}
+
+
+def describe(f: dict) -> str:
+    bw = f"{f['memory_bandwidth_gbs']} GB/s copy bandwidth (measured in this run)" if f.get("memory_bandwidth_gbs") \
+        else "bandwidth not measured"
+    return (f"Machine: {f['cpu']}, {f['cores']} cores ({f['torch_threads']} torch threads), "
+            f"{f['memory_gib']} GiB, ISA {' '.join(f['isa']) or '-'}; {bw}; torch {f['torch']}; "
+            f"1-minute load average {f.get('load_avg_1m', '-')} at the start (other work on the shared CPU).")

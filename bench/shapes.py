@@ -16,6 +16,10 @@ SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                            num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
                            max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False),
+    # For smoke tests only: builds in a blink.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
+                 tie_word_embeddings=False),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),

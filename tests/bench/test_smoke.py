@@ -16,7 +16,8 @@ from tools.stack import Stack
 
 @pytest.fixture(scope="module")
 def stack(tiny_dir):
-    with Stack(model_dir=tiny_dir, decode_pages=256, prefill_pages=128) as s:
+    with Stack(model_dir=tiny_dir, decode_pages=256, prefill_pages=128,
+               extra={"decode_svc": ["--draft-model-dir", ""]}) as s:  # not the embedded model's draft
         yield s
 
 

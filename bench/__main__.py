@@ -1,0 +1,75 @@
+"""One command line for every benchmark.
+
+    python -m bench <name> [options]          # python -m bench <name> --help for a benchmark's options
+    python -m bench all [--write-docs] [--serve-args "..."] [--engine-args "..."] ...
+
+Names: serve (load on the front door), engine (ours against transformers and llama.cpp),
+tokenizer (Tokenize RPC and streaming detokenize), kv (KV bytes and overlap on the wire),
+accuracy (quantization cost), disagg (served against in-process, batch 1), and speculative when
+bench/speculative.py is present. ``all`` runs tokenizer, kv, serve and engine with their defaults
+(plus whatever ``--<name>-args`` adds). Every run writes bench/out/<name>-<model>-<stamp>.json/.md
+(+ PNG plots); ``--write-docs`` also puts the markdown into docs/benchmarks.md's results section.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import shlex
+import sys
+
+from bench import common
+
+BENCHMARKS = {"serve": "bench.serve", "engine": "bench.engine", "tokenizer": "bench.tokenizer", "kv": "bench.kv",
+              "accuracy": "bench.accuracy", "disagg": "bench.disagg", "speculative": "bench.speculative"}
+ALL = ("tokenizer", "kv", "serve", "engine")
+
+
+def available() -> list[str]:
+    return [n for n, m in BENCHMARKS.items() if importlib.util.find_spec(m) is not None]
+
+
+def run(name: str, argv: list[str], write_docs: bool) -> dict | None:
+    mod = importlib.import_module(BENCHMARKS[name])
+    if inspect.signature(mod.main).parameters:
+        report = mod.main(argv)
+    else:  # a main() that reads sys.argv itself
+        sys.argv = [f"python -m bench {name}", *argv]
+        report = mod.main()
+    if write_docs and isinstance(report, dict) and hasattr(mod, "markdown"):
+        common.write_docs(name, mod.markdown(report))
+        print(f"[bench] wrote the {name} results into {common.DOCS}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    names = available()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*names, "all"):
+        print(__doc__ + "\navailable here: " + ", ".join(names + ["all"]))
+        sys.exit(0 if not argv or argv[0] in ("-h", "--help") else 2)
+    name, rest = argv[0], argv[1:]
+    write_docs = "--write-docs" in rest
+    rest = [a for a in rest if a != "--write-docs"]
+    if name != "all":
+        run(name, rest, write_docs)
+        return
+    ap = argparse.ArgumentParser(prog="python -m bench all")
+    for n in ALL:
+        ap.add_argument(f"--{n}-args", default="", help=f"extra options for {n}, one quoted string")
+    args = ap.parse_args(rest)
+    failed = []
+    for n in ALL:
+        print(f"\n[bench] ===== {n} =====", flush=True)
+        try:
+            run(n, shlex.split(getattr(args, f"{n}_args")), write_docs)
+        except Exception as e:  # one broken benchmark must not lose the others' numbers
+            print(f"[bench] {n} failed: {e!r}", flush=True)
+            failed.append(n)
+    if failed:
+        sys.exit(f"[bench] failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

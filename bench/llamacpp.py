@@ -1,0 +1,184 @@
+"""llama.cpp as a peer, through ``llama-cpp-python``: our HF safetensors converted to GGUF locally.
+
+    python -m bench engine --peers llama.cpp-f16,llama.cpp-q8_0
+
+``to_gguf`` writes a Llama-architecture GGUF with the ``gguf`` package (no download, no tokenizer:
+``tokenizer.ggml.model = no_vocab`` with the vocabulary size, since the benchmark feeds token ids).
+Q and K projections are permuted to llama.cpp's rotary layout exactly as convert_hf_to_gguf.py does.
+q8_0 comes from llama.cpp's own quantizer (``llama_model_quantize``) over the f16 file.
+``run_llamacpp`` times the same phases as bench/engine_runs.py through llama.cpp's C API
+(``llama_decode`` on a ``llama_batch``; one sequence id per stream, a unified KV buffer).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def status() -> tuple[bool, str]:
+    """(usable, why not)."""
+    try:
+        importlib.import_module("gguf")
+        import llama_cpp
+        return True, f"llama-cpp-python {llama_cpp.__version__}"
+    except Exception as e:  # ImportError, or a library that fails to load
+        return False, f"llama-cpp-python / gguf not importable ({e!r}); install with `pip install llama-cpp-python gguf`" \
+                      " (compiles llama.cpp with cmake, about 20 min on 2 cores)"
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def to_gguf(model_dir: Path, out: Path) -> Path:
+    """f16 GGUF of an HF Llama checkpoint (written once, to a temporary name first; reused while present)."""
+    import gguf
+    from safetensors import safe_open
+    if out.is_file():
+        return out
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, head_dim = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or h // heads
+    rope = cfg.get("rope_parameters") or {}
+    tmp = out.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(model_dir.name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-5))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_tokenizer_model("no_vocab")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name).float().numpy()
+                if name.startswith("model.layers."):
+                    i, rest = name.removeprefix("model.layers.").split(".", 1)
+                    key = rest.removesuffix(".weight")
+                    if key not in per_layer:
+                        continue
+                    if key == "self_attn.q_proj":
+                        t = permute(t, heads)
+                    elif key == "self_attn.k_proj":
+                        t = permute(t, kv)
+                    gname = f"blk.{i}.{per_layer[key]}.weight"
+                elif name in names:
+                    gname = names[name]
+                else:
+                    continue
+                w.add_tensor(gname, t.astype(np.float16) if t.ndim == 2 else t.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+    tmp.rename(out)
+    return out
+
+
+def quantize_q8_0(f16: Path, out: Path) -> Path:
+    import llama_cpp
+    if not out.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+        params.nthread = 0
+        if llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama_model_quantize failed for {f16}")
+    return out
+
+
+def gguf_for(model_dir: Path, fmt: str) -> Path:
+    """The GGUF of a checkpoint, cached under bench/.models/gguf (git-ignored; never beside a
+    model in the repo) and keyed by the weights' path, size and mtime, so a rebuilt model converts anew."""
+    from bench.common import MODELS
+    weights = sorted(model_dir.resolve().glob("*.safetensors"))
+    key = hashlib.sha256("|".join(f"{w}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights).encode())
+    out = MODELS / "gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{model_dir.name}-{key.hexdigest()[:12]}"
+    f16 = to_gguf(model_dir, out / f"{stem}-f16.gguf")
+    return f16 if fmt == "f16" else quantize_q8_0(f16, out / f"{stem}-q8_0.gguf")
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes a decode step reads: every matrix but the token embedding (unless it is the output too)."""
+    import gguf
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def run_llamacpp(s: dict) -> dict:
+    import llama_cpp as L
+    from bench.engine_runs import prompts, time_phases
+    try:
+        from llama_cpp import _logger
+        _logger.set_verbose(False)  # llama.cpp's load log is long; errors still print
+    except ImportError:
+        pass
+    path = gguf_for(Path(s["model_dir"]), s["weights"])
+    nmax = max(s["batches"])
+    n_ctx = max(s["prompt_len"], nmax * s["batch_ctx"]) + nmax * (s["decode_tokens"] + 32)
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, max(512, nmax * s["batch_ctx"]), 512, nmax
+    cp.n_threads = cp.n_threads_batch = s["threads"]
+    cp.kv_unified = True  # one KV buffer shared by the streams (each gets what it uses)
+    ctx = L.llama_init_from_model(model, cp)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    prompt, ctxs = prompts(s, n_vocab)
+    batch = L.llama_batch_init(max(n_ctx, cp.n_batch), 0, nmax)
+    state = {"pos": []}
+
+    def submit(items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, position, sequence, wants logits); returns the argmax of each logits row."""
+        batch.n_tokens = len(items)
+        rows = []
+        for i, (tok, pos, seq, want) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, want
+            if want:
+                rows.append(i)
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, r), shape=(n_vocab,)).argmax()) for r in rows]
+
+    def prefill(seqs: list[list[int]]) -> list[int]:
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        state["pos"] = [len(x) for x in seqs]
+        return submit([(t, p, i, p == len(x) - 1) for i, x in enumerate(seqs) for p, t in enumerate(x)])
+
+    def decode(tokens: list[int]) -> list[int]:
+        out = submit([(t, state["pos"][i], i, True) for i, t in enumerate(tokens)])
+        state["pos"] = [p + 1 for p in state["pos"][:len(tokens)]]
+        return out
+
+    try:
+        res = time_phases(prefill, decode, prompt, ctxs, s)
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    return {**res, "weight_bytes_per_token": weight_bytes(path), "gguf": str(path)}
