@@ -131,7 +131,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             timeout=context.time_remaining())
         detok = IncrementalDetokenizer(self._detok_decode, context_ids=prompt_ids)
         matcher = StopStringMatcher(stops)
-        completion = 0
+        completion, done = 0, False
         try:
             with tracer.start_as_current_span("detokenize"):
                 async for msg in call:
@@ -150,10 +150,12 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                         usage = msg.usage if msg.HasField("usage") else pb.Usage(
                             prompt_tokens=len(prompt_ids), completion_tokens=completion)
                         yield self._last(span, safe + matcher.flush(), ids, msg.finish_reason, usage)
-                        return
+                        done = True
+                        continue  # read on to the stream's end, so the call (and its span) completes
                     if safe or ids:
                         yield pb.GenerateTextResponse(text=safe, token_ids=ids)
-            raise errors.Unavailable("the decode service ended the stream without a finish reason")
+            if not done:
+                raise errors.Unavailable("the decode service ended the stream without a finish reason")
         finally:
             call.cancel()  # no-op after a normal end; cancels decode when our caller went away
 

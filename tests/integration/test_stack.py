@@ -99,7 +99,11 @@ def test_one_trace_across_three_services(stack, receiver):
     asyncio.run(stream_text(stack.addr("tokenizer_svc"), pb.GenerateTextRequest(
         text="The for statement", sampling=pb.SamplingParams(max_tokens=8))))
     wanted = {"prefill.forward", "kv_transfer", "decode", "tokenize", "detokenize"}
-    spans = receiver.wait_for(lambda ss: wanted <= {s.name for s in ss}, timeout=15)
+
+    def complete(ss):  # every wanted span arrived, and every span's parent too (spans export as they end)
+        ids = {s.span_id for s in ss}
+        return wanted <= {s.name for s in ss} and all(not s.parent_span_id or s.parent_span_id in ids for s in ss)
+    spans = receiver.wait_for(complete, timeout=20)
     front = [s for s in spans if s.name.endswith("TokenizerService/Generate") and s.kind == 2]
     assert len(front) == 1
     trace_id = front[0].trace_id
