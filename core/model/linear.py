@@ -1,13 +1,17 @@
 """The dense linear layer the model is built from.
 
-Weights may be fp32 or bf16; activations arrive in fp32. On a CPU without bf16 arithmetic
-(see ../shared/MEASURED.md) a bf16 matmul over many rows is ~5x slower than fp32, while a
-one-row (decode) bf16 matmul streams the weights at full memory bandwidth. So on CPU bf16 weights
-are upcast for wide inputs (prefill) and used as they are for narrow ones (decode); on a GPU the
-activations are cast to the weights' dtype.
+Weights may be fp32 or bf16; activations arrive in fp32. A one-row (decode) bf16 matmul streams
+the weights at full memory bandwidth everywhere. Over many rows (prefill) it depends on the CPU:
+without native bf16 arithmetic (no AVX512-BF16 / AMX; ../shared/MEASURED.md) it is ~5x slower
+than fp32, so bf16 weights are upcast; with it (this project's CI machines report AVX512-BF16)
+the bf16 matmul is ~3.5x faster than the upcast, so the activations are cast to bf16 instead.
+The choice comes from the CPU's feature flags, never from timing, so every process on a machine
+computes the same numbers. On a GPU the activations are cast to the weights' dtype.
 Quantized replacements (core.model.quant) keep the same ``forward(x) -> y`` contract.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,13 @@ def upcast_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                       for i in range(0, w.shape[0], UPCAST_BLOCK_ROWS)], dim=1)  # [rows, out]
 
 
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    cpu = torch.cpu
+    return any(bool(getattr(cpu, flag, lambda: False)()) for flag in
+               ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -41,7 +52,7 @@ class Linear(nn.Module):
         w = self.weight
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
-        if x.shape[0] >= UPCAST_MIN_ROWS and w.device.type == "cpu":
+        if x.shape[0] >= UPCAST_MIN_ROWS and w.device.type == "cpu" and not cpu_has_native_bf16():
             y = upcast_linear(x, w)
             return y if self.bias is None else y + self.bias.to(x.dtype)
         b = None if self.bias is None else self.bias.to(w.dtype)
