@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import QuantMode
-from core.model.linear import UPCAST_MIN_ROWS, Linear, cpu_has_native_bf16, upcast_linear
+from core.model.linear import UPCAST_MIN_ROWS, Linear, upcast_linear
 
 # int8: rows at or above which the fbgemm W8A8 kernel runs instead of weight-only int8pack_mm.
 # int8pack_mm's cost jumps from 8 rows on (2048x5632, 1 thread: ~1.5 ms for 1-4 rows, ~5 ms at
@@ -182,9 +182,9 @@ class Fp8Linear(nn.Module):
     def _emulated(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         # Same values as _scaled_mm: e4m3 -> bf16/fp32 is exact, scales applied to the product.
         w = self.weight if self.weight.dtype == torch.bfloat16 else self.weight.to(torch.bfloat16)
-        if xq.shape[0] < UPCAST_MIN_ROWS or w.device.type != "cpu" or cpu_has_native_bf16():
+        if xq.shape[0] < UPCAST_MIN_ROWS or w.device.type != "cpu":
             acc = F.linear(xq.to(torch.bfloat16), w).float()  # fp32 accumulate, bf16 output
-        else:  # no bf16 arithmetic on this CPU: wide matmuls run in fp32 (see linear.py)
+        else:  # fp32 accumulate *and* output, as _scaled_mm gives (a bf16 matmul rounds its output)
             acc = upcast_linear(xq.float(), w)
         return acc * xs * self.scale  # [rows, out]
 
