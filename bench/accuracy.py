@@ -22,12 +22,12 @@ import torch
 from tqdm import tqdm
 
 from bench import common
-from core.cli import DEFAULT_MODEL_DIR
-from core.config import KVDtype, QuantMode
-from core.generate import generate
-from core.runtime import EngineConfig, load_engine
-from core.sampling import SamplingParams
-from core.tokenizer import ModelTokenizer
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import KVDtype, QuantMode
+from kvwire.generate import generate
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.sampling import SamplingParams
+from kvwire.tokenizer import ModelTokenizer
 from tools.train_embedded import load_corpus
 
 OUT = common.OUT

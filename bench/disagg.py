@@ -21,12 +21,12 @@ from pathlib import Path
 import grpc
 
 from bench import common
-from core.cli import DEFAULT_MODEL_DIR
-from core.config import KVDtype
-from core.generate import generate_stream
-from core.runtime import EngineConfig, load_engine
-from core.sampling import SamplingParams
-from core.tokenizer import ModelTokenizer
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import KVDtype
+from kvwire.generate import generate_stream
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.sampling import SamplingParams
+from kvwire.tokenizer import ModelTokenizer
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc as pbg
 from tools.stack import Stack

@@ -73,8 +73,8 @@ def time_phases(prefill, decode, prompt: list[int], ctx: list[list[int]], s: dic
 
 
 def run_kvwire(s: dict) -> dict:
-    from core.config import KVDtype, QuantMode
-    from core.runtime import EngineConfig, load_engine
+    from kvwire.config import KVDtype, QuantMode
+    from kvwire.runtime import EngineConfig, load_engine
     eng = load_engine(EngineConfig(model_dir=Path(s["model_dir"]), weights=QuantMode(s["weights"]),
                                    kv_dtype=KVDtype(s["kv"])))
     prompt, ctx = prompts(s, eng.model_config.vocab_size)

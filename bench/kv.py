@@ -36,9 +36,9 @@ import torch
 from tqdm import tqdm
 
 from bench import common, machine, plots, shapes
-from core.config import KVDtype, QuantMode
-from core.kv.wire import decode_chunk, encode_layer
-from core.runtime import EngineConfig, load_engine
+from kvwire.config import KVDtype, QuantMode
+from kvwire.kv.wire import decode_chunk, encode_layer
+from kvwire.runtime import EngineConfig, load_engine
 from prefill_svc.runner import PrefillRunner
 from protos import convert as conv
 from protos import kvwire_pb2 as pb
@@ -140,7 +140,7 @@ def measure(args, model_dir: Path, kv: str, lens: list[int], bar) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from core.cli import DEFAULT_MODEL_DIR
+    from kvwire.cli import DEFAULT_MODEL_DIR
     ap = argparse.ArgumentParser(prog="python -m bench kv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from bench import common, machine, plots
 from bench.metrics import RequestRecord, summarize
-from core.cli import DEFAULT_MODEL_DIR
-from core.tokenizer import ModelTokenizer
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.tokenizer import ModelTokenizer
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc as pbg
 

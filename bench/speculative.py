@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.cli import DEFAULT_MODEL_DIR
-from core.config import KVDtype
-from core.runtime import EngineConfig, load_engine
-from core.sampler import sample
-from core.sampling import SamplingParams
-from core.tokenizer import ModelTokenizer
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import KVDtype
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.sampler import sample
+from kvwire.sampling import SamplingParams
+from kvwire.tokenizer import ModelTokenizer
 from decode_svc.engine import DecodeEngine, _Request
 from decode_svc.runner import DecodeRunner
 from decode_svc.scheduler import Phase, Scheduler, SchedulerConfig, SeqState

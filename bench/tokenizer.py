@@ -25,8 +25,8 @@ import grpc
 from tqdm import tqdm
 
 from bench import common, machine
-from core.cli import DEFAULT_MODEL_DIR
-from core.tokenizer import ModelTokenizer
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.tokenizer import ModelTokenizer
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc as pbg
 from tokenizer_svc.detokenizer import IncrementalDetokenizer

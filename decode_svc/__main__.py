@@ -7,14 +7,14 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from core import cli
-from core.config import KVDtype, QuantMode
-from core.lazy import Lazy
-from core.runtime import load_engine
-from core.sampling import MAX_SPECULATIVE_TOKENS
-from core.serving import GrpcServer, build_channel
-from core.telemetry import setup_tracing, start_metrics_server
-from core.tokenizer import ModelTokenizer
+from kvwire import cli
+from kvwire.config import KVDtype, QuantMode
+from kvwire.lazy import Lazy
+from kvwire.runtime import load_engine
+from kvwire.sampling import MAX_SPECULATIVE_TOKENS
+from kvwire.serving import GrpcServer, build_channel
+from kvwire.telemetry import setup_tracing, start_metrics_server
+from kvwire.tokenizer import ModelTokenizer
 from decode_svc.engine import DecodeEngine
 from decode_svc.runner import DecodeRunner
 from decode_svc.scheduler import Scheduler, SchedulerConfig

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
-from core.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
-from core.kv.wire import TransferTracker, WireError, decode_chunk
-from core.sampler import sample
-from core.sampling import SamplingParams
+from kvwire.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvwire.kv.wire import TransferTracker, WireError, decode_chunk
+from kvwire.sampler import sample
+from kvwire.sampling import SamplingParams
 from decode_svc import speculative as spec
 from decode_svc.runner import DecodeRunner
 from decode_svc.scheduler import AdmissionError, Phase, Scheduler, SeqState

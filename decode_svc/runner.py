@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from core.kv.pool import RELEASED
-from core.kv.wire import DecodedChunk
-from core.runtime import Engine
-from core.sampling import SamplingParams
+from kvwire.kv.pool import RELEASED
+from kvwire.kv.wire import DecodedChunk
+from kvwire.runtime import Engine
+from kvwire.sampling import SamplingParams
 from decode_svc.speculative import draft_sample
 from kernels import dispatch
 

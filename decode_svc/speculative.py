@@ -5,7 +5,7 @@ for proposals, runs one target forward over ``[pending token] + proposals`` and 
 to ``accept_greedy`` / ``accept_sampled``, which say which tokens come out of the step.
 
 Reproducibility: every random draw is derived from (seed, index of the generated token), as in
-``core.sampling``: the acceptance uniform and the residual sample for generated token i come from
+``kvwire.sampling``: the acceptance uniform and the residual sample for generated token i come from
 ``step_generator(seed, i)``, the draft's proposal for token i from ``draft_generator(seed, i)``. So a
 seeded request gives the same tokens whatever it was batched with.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.sampler import probabilities, sample, step_generator
-from core.sampling import SamplingParams
+from kvwire.sampler import probabilities, sample, step_generator
+from kvwire.sampling import SamplingParams
 
 _DRAFT_SALT = 0x5EC0_D4AF_7000  # separates the draft's proposal draws from the target's draws
 
@@ -66,7 +66,7 @@ def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1)
 #   all k accepted: emit a bonus token from p_k (argmax when greedy).
 #
 # So a step emits between 1 and k + 1 tokens, and p, q are the *processed* distributions
-# (temperature, top-k, top-p applied, as ``core.sampler.probabilities``), the ones
+# (temperature, top-k, top-p applied, as ``kvwire.sampler.probabilities``), the ones
 # non-speculative sampling draws from.
 
 

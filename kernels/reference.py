@@ -1,6 +1,6 @@
 """PyTorch references for the KV page kernels: the specification, and the CPU path.
 
-Page layout (see ``core.kv.spec.KVPageSpec``), per layer:
+Page layout (see ``kvwire.kv.spec.KVPageSpec``), per layer:
 
     k_pages, v_pages  [num_pages, num_kv_heads, block_size, head_dim]  float8_e4m3fn or bfloat16
     k_scale, v_scale  [num_pages, num_kv_heads] float32 (fp8 only; None for bf16 pages)

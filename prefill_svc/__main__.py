@@ -5,11 +5,11 @@ import argparse
 import asyncio
 import logging
 
-from core import cli
-from core.lazy import Lazy
-from core.runtime import load_engine
-from core.serving import GrpcServer
-from core.telemetry import setup_tracing, start_metrics_server
+from kvwire import cli
+from kvwire.lazy import Lazy
+from kvwire.runtime import load_engine
+from kvwire.serving import GrpcServer
+from kvwire.telemetry import setup_tracing, start_metrics_server
 from prefill_svc.runner import PrefillRunner
 from prefill_svc.server import PrefillServicer
 from protos import kvwire_pb2_grpc

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from core.errors import InvalidArgument, ResourceExhausted
-from core.kv.pool import OutOfPages
-from core.runtime import Engine
+from kvwire.errors import InvalidArgument, ResourceExhausted
+from kvwire.kv.pool import OutOfPages
+from kvwire.runtime import Engine
 
 
 class Aborted(Exception):

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry import trace
 
-from core.errors import FailedPrecondition
-from core.kv.wire import encode_layer
-from core.sampler import sample
+from kvwire.errors import FailedPrecondition
+from kvwire.kv.wire import encode_layer
+from kvwire.sampler import sample
 from prefill_svc.runner import PrefillRunner
 from protos import convert as conv
 from protos import kvwire_pb2 as pb

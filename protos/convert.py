@@ -1,10 +1,10 @@
-"""The one mapping between wire messages and the core's typed objects (used only at the wire edge)."""
+"""The one mapping between wire messages and kvwire's typed objects (used only at the wire edge)."""
 from __future__ import annotations
 
-from core.config import KVDtype
-from core.fingerprint import Fingerprint
-from core.kv.spec import KVPageSpec, ScaleGranularity
-from core.sampling import SamplingParams
+from kvwire.config import KVDtype
+from kvwire.fingerprint import Fingerprint
+from kvwire.kv.spec import KVPageSpec, ScaleGranularity
+from kvwire.sampling import SamplingParams
 from protos import kvwire_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 128
@@ -74,6 +74,6 @@ def chunk_to_pb(c) -> pb.KVChunk:
 
 
 def chunk_from_pb(m: pb.KVChunk):
-    from core.kv.wire import KVChunk  # here, not at the top: the tokenizer service never loads torch
+    from kvwire.kv.wire import KVChunk  # here, not at the top: the tokenizer service never loads torch
     return KVChunk(layer=m.layer, first_page=m.first_page, num_pages=m.num_pages, k=m.k_values, v=m.v_values,
                    k_scales=m.k_scales, v_scales=m.v_scales, crc32=m.crc32)

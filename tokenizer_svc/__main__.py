@@ -1,7 +1,7 @@
 """``python -m tokenizer_svc --model-dir models/kvwire-tiny --listen 127.0.0.1:50051
 --decode-addr 127.0.0.1:50052``
 
-Tracing is configured by the standard OTEL_* variables (see core.telemetry).
+Tracing is configured by the standard OTEL_* variables (see kvwire.telemetry).
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import asyncio
 import logging
 from pathlib import Path
 
-from core.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, build_channel
-from core.telemetry import Telemetry, setup_tracing, start_metrics_server
-from core.tokenizer import ModelTokenizer
+from kvwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, build_channel
+from kvwire.telemetry import Telemetry, setup_tracing, start_metrics_server
+from kvwire.tokenizer import ModelTokenizer
 from protos import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.server import SERVICE_NAME, TokenizerServiceConfig, TokenizerServicer
 

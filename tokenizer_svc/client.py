@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from core.serving import build_channel
+from kvwire.serving import build_channel
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc as pb_grpc
 

@@ -3,7 +3,7 @@
 Tokenizes (chat template included), validates, calls ``DecodeService.Generate`` and streams text
 deltas back as tokens arrive. Stop strings are a text-level notion, so they are handled here: text
 that might begin a stop string is held back, and on a match the text is cut before it and the
-decode call is cancelled. Errors are raised as ``core.errors`` and mapped by ``core.serving``.
+decode call is cancelled. Errors are raised as ``kvwire.errors`` and mapped by ``kvwire.serving``.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Sequence
 import jinja2
 from opentelemetry import trace
 
-from core import errors
-from core.serving import DEFAULT_MAX_MESSAGE_BYTES
-from core.tokenizer import ChatMessage, ModelTokenizer
+from kvwire import errors
+from kvwire.serving import DEFAULT_MAX_MESSAGE_BYTES
+from kvwire.tokenizer import ChatMessage, ModelTokenizer
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc as pb_grpc
 from protos import convert as conv

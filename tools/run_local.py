@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.cli import DEFAULT_MODEL_DIR
+from kvwire.cli import DEFAULT_MODEL_DIR
 from tokenizer_svc.client import stream
 from protos import kvwire_pb2 as pb
 from tools.stack import Stack

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.cli import DEFAULT_MODEL_DIR
+from kvwire.cli import DEFAULT_MODEL_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 

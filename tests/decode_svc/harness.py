@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from core.lazy import Lazy
-from core.runtime import EngineConfig, load_engine
-from core.serving import GrpcServer, build_channel
+from kvwire.lazy import Lazy
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.serving import GrpcServer, build_channel
 from decode_svc.engine import DecodeEngine
 from decode_svc.runner import DecodeRunner
 from decode_svc.scheduler import Scheduler, SchedulerConfig

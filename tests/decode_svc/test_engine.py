@@ -8,10 +8,10 @@ import dataclasses
 import grpc
 import pytest
 
-from core.config import KVDtype, QuantMode
-from core.generate import generate
-from core.runtime import EngineConfig, load_engine
-from core.sampling import SamplingParams
+from kvwire.config import KVDtype, QuantMode
+from kvwire.generate import generate
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.sampling import SamplingParams
 from protos import kvwire_pb2 as pb
 from tests.decode_svc.harness import Harness, tiny_model
 from tools.stack import free_port

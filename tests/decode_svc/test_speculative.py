@@ -9,11 +9,11 @@ import grpc
 import pytest
 import torch
 
-from core.config import KVDtype
-from core.generate import generate
-from core.runtime import EngineConfig, load_engine
-from core.sampler import probabilities
-from core.sampling import SamplingParams
+from kvwire.config import KVDtype
+from kvwire.generate import generate
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.sampler import probabilities
+from kvwire.sampling import SamplingParams
 from decode_svc import engine as engine_mod
 from decode_svc import speculative as spec
 from decode_svc.engine import DecodeEngine, _Request

@@ -12,11 +12,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from core.cli import DEFAULT_MODEL_DIR
-from core.generate import generate
-from core.runtime import EngineConfig, load_engine
-from core.sampling import SamplingParams
-from core.tokenizer import ModelTokenizer
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.generate import generate
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.sampling import SamplingParams
+from kvwire.tokenizer import ModelTokenizer
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc as pbg
 from tests.integration.otlp_receiver import OtlpReceiver

@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from core.kv.dense import attention_mask, sdpa_gqa  # noqa: E402
+from kvwire.kv.dense import attention_mask, sdpa_gqa  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("_triton_kv_interpreted",

@@ -39,6 +39,6 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from core.tokenizer import ModelTokenizer
+    from kvwire.tokenizer import ModelTokenizer
 
     return ModelTokenizer(model_dir)

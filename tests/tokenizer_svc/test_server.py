@@ -5,8 +5,8 @@ import contextlib
 import grpc
 import pytest
 
-from core.serving import GrpcServer, build_channel
-from core.tokenizer import ChatMessage
+from kvwire.serving import GrpcServer, build_channel
+from kvwire.tokenizer import ChatMessage
 from protos import kvwire_pb2 as pb
 from protos import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.detokenizer import REPLACEMENT

@@ -1,1 +1,0 @@
-"""Shared core of kvwire: config, model, KV pages, sampling, serving, telemetry."""

@@ -1,0 +1,1 @@
+"""kvwire, the shared library: config, model, KV pages, sampling, serving, telemetry."""

@@ -1,0 +1,39 @@
+"""The errors a kvwire component raises on purpose, one class per outcome a caller can act on.
+
+grpc-free: the scheduler, runner and codecs raise these; ``kvwire.serving`` maps them to gRPC status
+codes in one place (and maps a bare ``ValueError``, as ``SamplingParams.validate()`` raises, to
+INVALID_ARGUMENT). The message is sent to the caller verbatim, so make it say what to change.
+"""
+from __future__ import annotations
+
+
+class KvwireError(Exception):
+    """Base class; a bare KvwireError maps to INTERNAL."""
+
+
+class InvalidArgument(KvwireError, ValueError):
+    """The request itself is wrong (empty prompt, bad sampling values, token id out of range)."""
+
+
+class NotFound(KvwireError):
+    """A named thing (model, request id) does not exist."""
+
+
+class ResourceExhausted(KvwireError):
+    """Not now or not ever enough capacity (pool pages, queue slots, context length)."""
+
+
+class FailedPrecondition(KvwireError):
+    """The system is not in a state to serve this (model or KV layout mismatch, no chat template)."""
+
+
+class DataLoss(KvwireError):
+    """Bytes arrived corrupted or incomplete (a KV chunk failed its checksum or size check)."""
+
+
+class Unavailable(KvwireError):
+    """A dependency is down or the server is shutting down; retrying elsewhere may succeed."""
+
+
+class DeadlineExceeded(KvwireError):
+    """The work did not finish in the time the caller allowed."""

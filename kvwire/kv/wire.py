@@ -1,0 +1,128 @@
+"""KV pages on the wire: split a layer's pages into verifiable chunks, and check them on arrival.
+
+Proto-free on purpose: the servers map ``KVChunk`` to and from ``kvwire.v1.KVChunk``. Nothing
+received is ever unpickled: bytes plus the spec's dtype and shape, with shape x itemsize checked
+against the byte count before a tensor is built, and a CRC-32 over the chunk's bytes.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvwire.kv.spec import KVPageSpec
+
+MAX_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's 4 MiB default message size
+
+
+class WireError(Exception):
+    """A chunk that must not be used (wrong size, wrong place, failed checksum)."""
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    layer: int
+    first_page: int  # index of the first page within the sequence (not a pool page id)
+    num_pages: int
+    k: bytes  # [num_pages, num_kv_heads, block_size, head_dim] values
+    v: bytes
+    k_scales: bytes  # [num_pages, num_kv_heads] float32 little-endian; empty for bf16 pages
+    v_scales: bytes
+    crc32: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.k) + len(self.v) + len(self.k_scales) + len(self.v_scales)
+
+
+def checksum(k: bytes, v: bytes, ks: bytes, vs: bytes) -> int:
+    return zlib.crc32(vs, zlib.crc32(ks, zlib.crc32(v, zlib.crc32(k))))
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()  # little-endian on every target we run on
+
+
+def pages_per_chunk(spec: KVPageSpec, max_bytes: int = MAX_CHUNK_BYTES) -> int:
+    return max(1, max_bytes // spec.page_bytes_per_layer)
+
+
+def encode_layer(spec: KVPageSpec, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                 max_bytes: int = MAX_CHUNK_BYTES) -> Iterator[KVChunk]:
+    """k, v: [num_pages, num_kv_heads, block_size, head_dim] of one sequence and one layer, in page
+    order; scales [num_pages, num_kv_heads] float32 (None for bf16 pages)."""
+    step = pages_per_chunk(spec, max_bytes)
+    for first in range(0, k.shape[0], step):
+        sl = slice(first, first + step)
+        kb, vb = _raw(k[sl]), _raw(v[sl])
+        ksb = _raw(k_scale[sl].float()) if spec.has_scales else b""
+        vsb = _raw(v_scale[sl].float()) if spec.has_scales else b""
+        yield KVChunk(layer, first, k[sl].shape[0], kb, vb, ksb, vsb, checksum(kb, vb, ksb, vsb))
+
+
+@dataclass(frozen=True)
+class DecodedChunk:
+    layer: int
+    first_page: int
+    k: torch.Tensor  # [num_pages, num_kv_heads, block_size, head_dim], the spec's page dtype
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [num_pages, num_kv_heads] float32
+    v_scale: torch.Tensor | None
+
+
+def decode_chunk(spec: KVPageSpec, chunk: KVChunk, num_seq_pages: int) -> DecodedChunk:
+    """Verify a chunk whole (place, sizes, checksum) and only then view its bytes as tensors."""
+    if not 0 <= chunk.layer < spec.num_layers:
+        raise WireError(f"chunk for layer {chunk.layer}, but the model has {spec.num_layers} layers")
+    if chunk.num_pages <= 0 or chunk.first_page < 0 or chunk.first_page + chunk.num_pages > num_seq_pages:
+        raise WireError(f"layer {chunk.layer}: pages [{chunk.first_page}, {chunk.first_page + chunk.num_pages}) "
+                        f"outside the sequence's {num_seq_pages} pages")
+    want = chunk.num_pages * spec.values_per_page * spec.itemsize
+    want_scales = chunk.num_pages * spec.num_kv_heads * 4 if spec.has_scales else 0
+    for name, got, expected in (("k", len(chunk.k), want), ("v", len(chunk.v), want),
+                                ("k_scales", len(chunk.k_scales), want_scales),
+                                ("v_scales", len(chunk.v_scales), want_scales)):
+        if got != expected:
+            raise WireError(f"layer {chunk.layer} pages from {chunk.first_page}: {name} has {got} bytes, "
+                            f"expected {expected} for {chunk.num_pages} pages of {spec.dtype.value}")
+    if checksum(chunk.k, chunk.v, chunk.k_scales, chunk.v_scales) != chunk.crc32:
+        raise WireError(f"layer {chunk.layer} pages from {chunk.first_page}: checksum mismatch")
+    shape = (chunk.num_pages, spec.num_kv_heads, spec.block_size, spec.head_dim)
+    dtype = torch.float8_e4m3fn if spec.has_scales else torch.bfloat16
+
+    def values(b: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).view(shape)
+
+    def scales(b: bytes) -> torch.Tensor | None:
+        if not spec.has_scales:
+            return None
+        return torch.frombuffer(bytearray(b), dtype=torch.float32).view(chunk.num_pages, spec.num_kv_heads)
+
+    return DecodedChunk(chunk.layer, chunk.first_page, values(chunk.k), values(chunk.v),
+                        scales(chunk.k_scales), scales(chunk.v_scales))
+
+
+class TransferTracker:
+    """Which (layer, page) pairs of one sequence arrived verified: a transfer is complete only when all did."""
+
+    def __init__(self, spec: KVPageSpec, num_pages: int):
+        self.spec, self.num_pages = spec, num_pages
+        self._seen = [[False] * num_pages for _ in range(spec.num_layers)]
+        self.bytes = 0
+        self.chunks = 0
+
+    def record(self, chunk: KVChunk) -> None:
+        row = self._seen[chunk.layer]
+        span = range(chunk.first_page, chunk.first_page + chunk.num_pages)
+        if any(row[i] for i in span):
+            raise WireError(f"layer {chunk.layer}: pages from {chunk.first_page} arrived twice")
+        for i in span:
+            row[i] = True
+        self.bytes += chunk.nbytes
+        self.chunks += 1
+
+    def missing(self) -> list[tuple[int, int]]:
+        return [(layer, p) for layer, row in enumerate(self._seen) for p, ok in enumerate(row) if not ok]

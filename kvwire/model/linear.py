@@ -1,0 +1,59 @@
+"""The dense linear layer the model is built from.
+
+Weights may be fp32 or bf16; activations arrive in fp32. A one-row (decode) bf16 matmul streams
+the weights at full memory bandwidth everywhere. Over many rows (prefill) it depends on the CPU:
+without native bf16 arithmetic (no AVX512-BF16 / AMX; ../shared/MEASURED.md) it is ~5x slower
+than fp32, so bf16 weights are upcast; with it (this project's CI machines report AVX512-BF16)
+the bf16 matmul is ~3.5x faster than the upcast, so the activations are cast to bf16 instead.
+The choice comes from the CPU's feature flags, never from timing, so every process on a machine
+computes the same numbers. On a GPU the activations are cast to the weights' dtype.
+Quantized replacements (kvwire.model.quant) keep the same ``forward(x) -> y`` contract.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows at or above which a bf16 weight is upcast to fp32 for the matmul (compute-bound regime).
+UPCAST_MIN_ROWS = 16
+# Output rows of a narrow weight upcast at a time. A whole 2048x5632 fp32 copy is past glibc's
+# mmap threshold, so every call page-faults it in fresh (~35 ms, vs ~2 ms for the conversion);
+# 512-row blocks (4 MiB at in=2048) are reused from the heap and stay near fp32 matmul speed.
+UPCAST_BLOCK_ROWS = 512
+
+
+def upcast_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ w[out, in].T in x's dtype, converting w a block of rows at a time."""
+    if w.shape[0] <= UPCAST_BLOCK_ROWS:
+        return F.linear(x, w.to(x.dtype))
+    return torch.cat([F.linear(x, w[i:i + UPCAST_BLOCK_ROWS].to(x.dtype))
+                      for i in range(0, w.shape[0], UPCAST_BLOCK_ROWS)], dim=1)  # [rows, out]
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    cpu = torch.cpu
+    return any(bool(getattr(cpu, flag, lambda: False)()) for flag in
+               ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in_features] fp32 -> [rows, out_features] fp32
+        w = self.weight
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        if x.shape[0] >= UPCAST_MIN_ROWS and w.device.type == "cpu" and not cpu_has_native_bf16():
+            y = upcast_linear(x, w)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
+        b = None if self.bias is None else self.bias.to(w.dtype)
+        return F.linear(x.to(w.dtype), w, b).to(x.dtype)

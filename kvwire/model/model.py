@@ -1,0 +1,152 @@
+"""One Llama-family transformer (Llama, Mistral, Qwen2), read top to bottom.
+
+Tokens travel flattened: a step is ``num_tokens`` tokens that may belong to several sequences
+(a prefill of one prompt, a decode step of many sequences, or a mix). The model computes q/k/v and
+RoPE; *where* K/V live and *which* keys each query sees belong to the KV cache object, which the
+caller has prepared for this step (see ``KVCache``). So the contiguous cache used for reference
+generation and the paged FP8 cache plug in without touching the math here.
+
+No serving, gRPC or quantization imports: linear layers are ``kvwire.model.linear.Linear`` and may be
+swapped for quantized ones after loading.
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvwire.config import ModelConfig, RopeConfig
+from kvwire.model.linear import Linear
+
+
+class KVCache(Protocol):
+    """What the model needs from a KV cache during one forward step."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None) -> torch.Tensor:
+        """Store this step's K/V for ``layer`` and return attention output.
+
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], RoPE
+        applied. A query at position p sees its own sequence's keys at positions j <= p (and
+        j > p - window when window is set). Returns [num_tokens, num_heads, head_dim].
+        """
+        ...
+
+
+# ---- RoPE -------------------------------------------------------------------------------------
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq  # [head_dim // 2]
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, heads, head_dim]; "rotate half" convention of HF Llama checkpoints.
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---- Blocks -----------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.window = layer, cfg.layer_windows[layer] if cfg.layer_windows else None
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # q, k and v projections fused into one matmul: rows [q | k | v].
+        self.qkv = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o = Linear(self.h * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = apply_rope(q.view(n, self.h, self.d), cos, sin)  # [num_tokens, num_heads, head_dim]
+        k = apply_rope(k.view(n, self.hkv, self.d), cos, sin)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(n, self.hkv, self.d)
+        out = cache.attend(self.layer, q, k, v, self.window)  # [num_tokens, num_heads, head_dim]
+        return self.o(out.reshape(n, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # rows [gate | up]
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: [num_tokens] int64. Returns fp32 logits [len(logits_rows) or num_tokens, vocab].
+
+        Activations stay fp32 whatever the weights' dtype: this CPU has no bf16 arithmetic, and
+        the residual stream keeps its precision.
+        """
+        x = self.embed(tokens).float()  # [num_tokens, hidden]
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        for block in self.layers:
+            x = block(x, cos, sin, cache)
+        if logits_rows is not None:
+            x = x[logits_rows]  # [num_rows, hidden]
+        return self.lm_head(self.norm(x)).float()  # [num_rows, vocab]

@@ -1,0 +1,51 @@
+"""Build a ready-to-run engine from one frozen config: model (quantized), KV page spec, fingerprint.
+
+Shared by prefill_svc and decode_svc (and the in-process reference the services are checked
+against), so both ends load and quantize a model the same way and agree on the page format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvwire.config import DType, KVDtype, ModelConfig, QuantMode
+from kvwire.fingerprint import Fingerprint, fingerprint
+from kvwire.kv.spec import KVPageSpec
+from kvwire.model.loader import load_model
+from kvwire.model.model import Transformer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    weights: QuantMode = QuantMode.NONE  # none = the checkpoint in fp32
+    kv_dtype: KVDtype = KVDtype.FP8_E4M3
+    block_size: int = 16
+    num_pages: int = 512
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Engine:
+    cfg: EngineConfig
+    model: Transformer
+    model_config: ModelConfig
+    spec: KVPageSpec
+    fingerprint: Fingerprint
+
+    def new_cache(self, num_pages: int | None = None):
+        from kvwire.kv.paged import PagedKVCache
+        return PagedKVCache(self.model_config, self.spec, num_pages or self.cfg.num_pages, device=self.cfg.device)
+
+
+def load_engine(cfg: EngineConfig) -> Engine:
+    weights = QuantMode(cfg.weights)
+    dtype = DType.BF16 if weights == QuantMode.BF16 else DType.FP32
+    loaded = load_model(cfg.model_dir, dtype=dtype, device=cfg.device)
+    model = loaded.model
+    if weights in (QuantMode.INT8, QuantMode.FP8):
+        from kvwire.model.quant import quantize_model
+        model = quantize_model(model, weights)
+    spec = KVPageSpec.for_model(loaded.config, cfg.block_size, cfg.kv_dtype)
+    fp = fingerprint(cfg.model_dir, loaded.config, loaded.weights_sha256, weights.value, dtype.value)
+    return Engine(cfg, model, loaded.config, spec, fp)

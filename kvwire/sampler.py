@@ -1,0 +1,47 @@
+"""The token sampler (greedy, temperature, top-k, top-p, seeded).
+
+Reproducible across processes: the randomness for the i-th generated token of a request comes from
+a generator seeded by (seed, i), so prefill_svc can sample token 0 and decode_svc tokens 1.. and the
+result equals in-process generation with the same seed, with no generator state on the wire.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvwire.sampling import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the seed space
+
+
+def step_generator(seed: int | None, step: int) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed((seed * _SEED_MIX + step) % (1 << 63))
+    return g
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [vocab] -> the sampling distribution [vocab] after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """logits [vocab] -> one token id; ``step`` is the index of the token among generated ones."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = probabilities(logits, params)
+    return int(torch.multinomial(probs, 1, generator=step_generator(params.seed, step)))

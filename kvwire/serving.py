@@ -1,0 +1,225 @@
+"""gRPC serving, solved once for every kvwire service.
+
+A service's ``__main__`` does::
+
+    server = GrpcServer()                                   # sizes, interceptors, health, reflection
+    server.add_service(kvwire_pb2_grpc.add_DecodeServiceServicer_to_server, servicer,
+                       "kvwire.v1.DecodeService")
+    port = await server.start("0.0.0.0:50052")             # health: NOT_SERVING
+    ...load weights, warm up...
+    await server.set_serving()                              # health: SERVING
+    await server.serve_until_signal(grace_s=30)             # SIGTERM: NOT_SERVING, drain, stop
+
+and talks to its peers through ``build_channel("dns:///decode:50052")`` (explicit message sizes,
+round-robin over every address the name resolves to, tracing). Servicers stay thin: they raise
+``kvwire.errors`` exceptions (or ValueError) and the error interceptor turns them into statuses.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import signal
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
+
+from kvwire import errors
+
+log = logging.getLogger(__name__)
+
+# Well above the <= 1 MiB KV chunks, and stated explicitly on both ends (the default receive
+# limit is 4 MiB; a silent mismatch surfaces only with a large prompt).
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
+
+# Most specific first: the first class in an exception's MRO found here gives its status.
+_STATUS_BY_EXCEPTION: dict[type, grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.KvwireError: grpc.StatusCode.INTERNAL,
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # SamplingParams.validate() and friends
+    TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    NotImplementedError: grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a caller gets for ``exc`` (the one mapping in the project).
+
+    A peer's ``AioRpcError`` keeps its code and details (UNAVAILABLE when the peer is down), except
+    UNKNOWN, which becomes INTERNAL. Unexpected exceptions become INTERNAL with a short message
+    that names only the exception type; the traceback goes to the server log.
+    """
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code()
+        return (grpc.StatusCode.INTERNAL if code == grpc.StatusCode.UNKNOWN else code), exc.details() or ""
+    for cls in type(exc).__mro__:
+        code = _STATUS_BY_EXCEPTION.get(cls)
+        if code is not None and code != grpc.StatusCode.INTERNAL:
+            return code, str(exc) or type(exc).__name__
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+
+
+async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, grpc.aio.AioRpcError):
+        log.error("%s failed unexpectedly", method, exc_info=exc)
+    else:
+        log.info("%s -> %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+def _wrap(behavior: Callable, method: str, response_streaming: bool) -> Callable:
+    if response_streaming and inspect.isasyncgenfunction(behavior):
+        async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext):
+            try:
+                # aclosing: on cancellation the handler's own `finally` runs now, not at GC time.
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, never UNKNOWN
+                await _abort_with(exc, context, method)
+        return stream_wrapper
+    if inspect.iscoroutinefunction(behavior):  # unary response, or streaming via context.write
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext):
+            try:
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await _abort_with(exc, context, method)
+        return wrapper
+    return behavior  # synchronous handlers are not used in kvwire; leave them alone
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every async handler so exceptions leave as statuses chosen by :func:`status_for`."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+            "stream" if handler.response_streaming else "unary")
+        return handler._replace(**{kind: _wrap(getattr(handler, kind), method,
+                                               handler.response_streaming)})
+
+
+def _traced() -> Callable:
+    # Probes and reflection would otherwise flood the trace backend with one trace each.
+    return negate(any_of(health_check(), service_prefix("grpc.reflection")))
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    service_config = {"loadBalancingConfig": [{"round_robin": {}}]}
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.service_config", json.dumps(service_config))]
+
+
+def build_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  tracing: bool = True, tracer_provider=None) -> grpc.aio.Channel:
+    """An insecure aio channel to ``target`` (``host:port`` or ``dns:///name:port``).
+
+    Round-robin load balancing spreads calls over every address a ``dns:///`` name resolves to
+    (a Kubernetes headless service's replicas). Tracing injects W3C ``traceparent`` metadata.
+    """
+    interceptors = aio_client_interceptors(tracer_provider=tracer_provider, filter_=_traced()) \
+        if tracing else None
+    return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes),
+                                     interceptors=interceptors)
+
+
+class GrpcServer:
+    """A ``grpc.aio`` server with health, reflection, tracing and error mapping built in.
+
+    Health (``grpc.health.v1``) reports NOT_SERVING for the server ("") and every added service
+    from ``start()`` until ``set_serving()``, and again from shutdown on.
+    """
+
+    def __init__(self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tracing: bool = True, tracer_provider=None):
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if tracing:  # outermost, so its span records the status the error interceptor sets
+            interceptors.append(aio_server_interceptor(tracer_provider=tracer_provider,
+                                                       filter_=_traced()))
+        interceptors.append(ErrorMappingInterceptor())
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second process on the same port fails loudly
+        ])
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names: list[str] = []
+        self.port: int | None = None
+
+    def add_service(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any,
+                    service_name: str) -> None:
+        """``register`` is the generated ``add_<Name>Servicer_to_server``; ``service_name`` the
+        full proto name (``"kvwire.v1.DecodeService"``), used by health and reflection."""
+        register(servicer, self.server)
+        self.service_names.append(service_name)
+
+    async def _set_all(self, status: int) -> None:
+        for name in (health.OVERALL_HEALTH, *self.service_names):
+            await self.health.set(name, status)
+
+    async def start(self, listen: str) -> int:
+        """Bind ``listen`` (``host:port``; port 0 picks one), start, and return the bound port."""
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(listen)
+        if self.port == 0:
+            raise errors.Unavailable(f"could not bind {listen}")
+        await self.server.start()
+        log.info("listening on %s (port %d): %s", listen, self.port, ", ".join(self.service_names))
+        return self.port
+
+    async def set_serving(self) -> None:
+        """Call once the service has loaded and warmed up: health flips to SERVING."""
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace_s: float, drain_delay_s: float = 0.0) -> None:
+        """NOT_SERVING for good, wait ``drain_delay_s`` for load balancers to notice, then refuse
+        new calls and give in-flight ones ``grace_s`` seconds before cancelling them."""
+        await self.health.enter_graceful_shutdown()
+        if drain_delay_s > 0:
+            await asyncio.sleep(drain_delay_s)
+        await self.server.stop(grace_s)
+
+    async def serve_until_signal(self, grace_s: float = 30.0, drain_delay_s: float = 0.0,
+                                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        """Serve until one of ``signals`` arrives, then drain and stop."""
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        for sig in signals:
+            loop.add_signal_handler(sig, stopping.set)
+        try:
+            # Only the event: cancelling a wait_for_termination() waiter would cancel the
+            # server's own shutdown future and break stop().
+            await stopping.wait()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+        log.info("shutting down: draining for up to %.1f s", grace_s)
+        await self.stop(grace_s, drain_delay_s)

@@ -1,0 +1,57 @@
+"""Sampling: validation, greedy limits of top-k/top-p, seeded reproducibility, the distribution."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwire.sampler import probabilities, sample
+from kvwire.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(max_tokens=0), "max_tokens must be positive"),
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+])
+def test_validate_messages(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kwargs).validate()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    best = int(logits.argmax())
+    for step in range(20):
+        assert sample(logits, SamplingParams(temperature=1.0, top_k=1, seed=step), step) == best
+        assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-6, seed=step), step) == best
+
+
+def test_top_p_keeps_smallest_prefix_reaching_mass():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    torch.testing.assert_close(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert (p > 0).sum() == 3
+
+
+def test_seed_reproducible_and_steps_differ():
+    logits = torch.zeros(1000)
+    params = SamplingParams(temperature=1.0, seed=7)
+    a = [sample(logits, params, s) for s in range(10)]
+    assert a == [sample(logits, params, s) for s in range(10)]
+    assert len(set(a)) > 5  # different steps draw differently
+    assert a != [sample(logits, SamplingParams(temperature=1.0, seed=8), s) for s in range(10)]
+
+
+def test_samples_follow_the_distribution():
+    # Chi-square goodness of fit over 4000 seeded draws, 5 categories (critical value, df=4, p=0.001: 18.47).
+    logits = torch.log(torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05]))
+    n = 4000
+    counts = torch.zeros(5)
+    for s in range(n):
+        counts[sample(logits, SamplingParams(temperature=1.0, seed=s), 0)] += 1
+    expected = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05]) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.47, (counts, chi2)
