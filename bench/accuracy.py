@@ -1,21 +1,29 @@
-"""Accuracy cost of every weight x KV mode on the embedded model's held-out text.
+"""Accuracy cost of every weight x KV mode on held-out real text, next to llama.cpp's.
 
-    python -m bench accuracy [--model-dir models/kvwire-tiny] [--max-tokens 16384]
+    python -m bench accuracy --model smollm2-135m-instruct     # a registered model (fetched if needed)
+    python -m bench accuracy --model-dir PATH                  # an HF directory or a .gguf
+    python -m bench accuracy                                   # the embedded model
 
-For weights {bf16, int8, fp8} x KV pages {bf16, fp8}:
-  - perplexity over held-out windows (the topics tools/train_embedded.py held out). Each window is
-    fed as a 32-token prompt and then 16-token chunks, so every later query reads the *paged* KV
-    (quantized for fp8), as decoding does; a single prefill would never read the pages;
-  - greedy agreement with bf16/bf16 over 256 generated tokens for 20 held-out prompts:
-    teacher-forced top-1 agreement on bf16/bf16's tokens, and the mean length of the identical
-    free-running prefix.
-Budgets (issue 3): int8 weights +1% perplexity, fp8 weights +2%, fp8 KV alone +0.5%.
-Writes bench/out/accuracy-<model>-<stamp>.{json,md}.
+Text: the Python documentation topics that tools/train_embedded.py holds out (every 10th topic of
+``pydoc_data.topics``, on every machine with Python). For weights {bf16, int8, fp8} x KV pages
+{bf16, fp8}:
+  - perplexity over held-out windows. Each window is fed as a 32-token prompt and then
+    ``--chunk``-token steps, so every later query reads the *paged* KV (quantized for fp8), as
+    decoding does; a single prefill would never read the pages;
+  - greedy agreement with bf16/bf16 for held-out prompts: teacher-forced top-1 agreement on
+    bf16/bf16's tokens, and the mean length of the identical free-running prefix.
+Next to them, llama.cpp's perplexity (llama-cpp-python, logits for every position) on the same
+token ids for f16 and q8_0 GGUFs of the same weights (bench/llamacpp.py converts them).
+Budgets vs bf16/bf16: int8 weights +1% perplexity, fp8 weights +2%, fp8 KV alone +0.5%; and our
+int8 at or below llama.cpp q8_0. Bounded by --max-tokens / --prompts / --gen (the defaults take a
+few minutes on 2 cores for a 135M model). Writes bench/out/accuracy-<model>-<stamp>.{json,md}.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -25,8 +33,9 @@ from bench import common
 from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.generate import generate
+from kvwire.kv.spec import KVPageSpec
 from kvwire.runtime import EngineConfig, load_engine
-from kvwire.sampling import SamplingParams
+from kvwire.sampling_params import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
 from tools.train_embedded import load_corpus
 
@@ -35,6 +44,7 @@ WEIGHTS = (QuantMode.BF16, QuantMode.INT8, QuantMode.FP8)
 KVS = (KVDtype.BF16, KVDtype.FP8_E4M3)
 BUDGET = {QuantMode.BF16: 0.0, QuantMode.INT8: 1.0, QuantMode.FP8: 2.0}  # % perplexity, weights alone
 KV_BUDGET = 0.5
+PEERS = ("f16", "q8_0")  # llama.cpp GGUF types
 
 
 @torch.inference_mode()
@@ -50,53 +60,102 @@ def chunked_logits(engine, ids: list[int], first: int = 32, chunk: int = 16) -> 
     return torch.cat(out)
 
 
-def perplexity(engine, windows: list[list[int]]) -> float:
+def perplexity(engine, windows: list[list[int]], desc: str = "perplexity", chunk: int = 16) -> float:
     nll, count = 0.0, 0
-    for w in windows:
-        logp = torch.log_softmax(chunked_logits(engine, w)[:-1].float(), dim=-1)
+    for w in tqdm(windows, desc=desc, unit="window", leave=False):
+        logp = torch.log_softmax(chunked_logits(engine, w, chunk=chunk)[:-1].float(), dim=-1)
         nll -= logp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
         count += len(w) - 1
     return math.exp(nll / count)
 
 
+def with_kv(engine, kv: KVDtype):
+    """The same loaded (and quantized) weights with another KV page format."""
+    cfg = dataclasses.replace(engine.cfg, kv_dtype=kv)
+    return dataclasses.replace(engine, cfg=cfg, spec=KVPageSpec.for_model(engine.model_config, cfg.block_size, kv))
+
+
+def model_path(args) -> Path:
+    if args.model:
+        from kvwire.model.registry import fetch
+        return fetch(args.model)
+    return args.model_dir
+
+
+def llamacpp_rows(path: Path, windows: list[list[int]], threads: int) -> dict:
+    """{type: perplexity or the reason there is none}."""
+    from bench import llamacpp
+    ok, why = llamacpp.status()
+    if not ok:
+        tqdm.write(f"llama.cpp not installed: {why}")
+        return {fmt: "llama.cpp not installed" for fmt in PEERS}
+    out = {}
+    for fmt in PEERS:
+        try:
+            out[fmt] = llamacpp.perplexity(llamacpp.gguf_for(path, fmt), windows, threads, desc=f"llama.cpp {fmt}")
+        except Exception as e:  # a peer failure must not lose our own numbers
+            out[fmt] = f"failed: {e!r}"
+        tqdm.write(f"llama.cpp {fmt}: {out[fmt]}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a registered model name (python -m tools.fetch_model --list)")
+    src.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="an HF directory or a .gguf")
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens scored per mode")
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=1536, help="held-out tokens scored per mode")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=64, help="tokens per step after the 32-token prompt")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch and llama.cpp threads (1: on a shared machine 2 OpenMP threads can be far slower)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp rows")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = model_path(args)
+    t0 = time.perf_counter()
 
-    tok = ModelTokenizer(args.model_dir)
+    tok = ModelTokenizer(path)
     _, held, _ = load_corpus()
     stream = [t for text in held for t in tok.encode(text)][:args.max_tokens]
     windows = [stream[i:i + args.window] for i in range(0, len(stream) - args.window + 1, args.window)]
     prompts = [w[:32] for w in windows[::max(1, len(windows) // args.prompts)][:args.prompts]]
 
     results, reference = {}, None
-    modes = [(w, kv) for w in WEIGHTS for kv in KVS]
-    for w, kv in tqdm(modes, desc="modes"):
-        engine = load_engine(EngineConfig(model_dir=args.model_dir, weights=w, kv_dtype=kv))
-        ppl = perplexity(engine, windows)
-        gens = [generate(engine.model, p, SamplingParams(max_tokens=args.gen, ignore_eos=True),
-                         cache=engine.new_cache(engine.spec.pages_for(len(p) + args.gen) + 2)) for p in prompts]
-        if reference is None:
-            reference = gens
-        same_prefix, agree, total = [], 0, 0
-        for p, g, ref in zip(prompts, gens, reference):
-            same_prefix.append(next((i for i, (a, b) in enumerate(zip(g, ref)) if a != b), len(ref)))
-            pred = chunked_logits(engine, p + ref)[len(p) - 1:-1].argmax(-1)  # teacher-forced on bf16/bf16
-            agree += int((pred == torch.tensor(ref)).sum())
-            total += len(ref)
-        results[f"{w.value}/{kv.value}"] = {"weights": w.value, "kv": kv.value, "perplexity": ppl,
-                                            "teacher_forced_agreement": agree / total,
-                                            "mean_identical_prefix": sum(same_prefix) / len(same_prefix)}
-        tqdm.write(f"{w.value}/{kv.value}: {results[f'{w.value}/{kv.value}']}")
+    bar = tqdm(total=len(WEIGHTS) * len(KVS), desc="modes", unit="mode")
+    for w in WEIGHTS:
+        loaded = load_engine(EngineConfig(model_dir=path, weights=w, kv_dtype=KVS[0]))
+        for kv in KVS:
+            engine = with_kv(loaded, kv)
+            ppl = perplexity(engine, windows, desc=f"{w.value}/{kv.value}", chunk=args.chunk)
+            gens = [generate(engine.model, p, SamplingParams(max_tokens=args.gen, ignore_eos=True),
+                             cache=engine.new_cache(engine.spec.pages_for(len(p) + args.gen) + 2)) for p in prompts]
+            if reference is None:
+                reference = gens
+            same_prefix, agree, total = [], 0, 0
+            for p, g, ref in zip(prompts, gens, reference):
+                same_prefix.append(next((i for i, (a, b) in enumerate(zip(g, ref)) if a != b), len(ref)))
+                pred = chunked_logits(engine, p + ref)[len(p) - 1:-1].argmax(-1)  # teacher-forced on bf16/bf16
+                agree += int((pred == torch.tensor(ref)).sum())
+                total += len(ref)
+            key = f"{w.value}/{kv.value}"
+            results[key] = {"weights": w.value, "kv": kv.value, "perplexity": ppl,
+                            "teacher_forced_agreement": agree / total,
+                            "mean_identical_prefix": sum(same_prefix) / len(same_prefix)}
+            tqdm.write(f"{key}: {results[key]}")
+            bar.update()
+        del loaded
+    bar.close()
+    peers = {} if args.no_llamacpp else llamacpp_rows(path, windows, args.threads)
 
-    report = {"benchmark": "accuracy", "model": str(args.model_dir.name), "held_out_tokens": len(windows) * args.window,
-              "windows": len(windows), "prompts": len(prompts), "generated": args.gen, "results": results}
+    report = {"benchmark": "accuracy", "model": args.model or (path.stem if path.is_file() else path.name),
+              "model_path": str(path), "held_out_tokens": len(windows) * args.window, "windows": len(windows),
+              "prompts": len(prompts), "generated": args.gen, "chunk": args.chunk, "threads": args.threads,
+              "results": results, "llamacpp": peers, "wall_s": time.perf_counter() - t0,
+              "command": "python -m bench accuracy " + " ".join(argv if argv is not None else [])}
     common.save(report, markdown(report), args.out)
     return report
 
@@ -104,17 +163,29 @@ def main(argv: list[str] | None = None) -> dict:
 def markdown(report: dict) -> str:
     r = report["results"]
     base = r["bf16/bf16"]["perplexity"]
-    lines = [f"Model {report['model']}, {report['held_out_tokens']} held-out tokens in {report['windows']} windows; "
-             f"greedy agreement over {report['generated']} tokens for {report['prompts']} held-out prompts.", "",
+    lines = [f"Model {report['model']}, {report['held_out_tokens']} held-out tokens (Python documentation topics) "
+             f"in {report['windows']} windows (32-token prompt, then {report.get('chunk', 16)}-token steps reading "
+             f"the paged KV); greedy agreement over {report['generated']} tokens for "
+             f"{report['prompts']} held-out prompts.", "",
              "| weights | KV | perplexity | vs bf16/bf16 | budget | teacher-forced agreement | identical prefix (tokens) |",
              "|---|---|---|---|---|---|---|"]
-    for key, v in r.items():
+    for v in r.values():
         w, kv = QuantMode(v["weights"]), KVDtype(v["kv"])
         budget = BUDGET[w] + (KV_BUDGET if kv == KVDtype.FP8_E4M3 else 0.0)
         delta = 100 * (v["perplexity"] / base - 1)
         ok = "within" if delta <= budget + 1e-9 else "MISSED"
         lines.append(f"| {v['weights']} | {v['kv']} | {v['perplexity']:.3f} | {delta:+.2f}% | "
                      f"+{budget:.1f}% ({ok}) | {v['teacher_forced_agreement']:.3f} | {v['mean_identical_prefix']:.1f} |")
+    for fmt, ppl in report.get("llamacpp", {}).items():
+        if isinstance(ppl, float):
+            lines.append(f"| llama.cpp {fmt} | f16 | {ppl:.3f} | {100 * (ppl / base - 1):+.2f}% | | | |")
+        else:
+            lines.append(f"| llama.cpp {fmt} | | {ppl} | | | | |")
+    q8 = report.get("llamacpp", {}).get("q8_0")
+    if isinstance(q8, float) and "int8/bf16" in r:
+        ours = r["int8/bf16"]["perplexity"]
+        lines += ["", f"int8 weights vs llama.cpp q8_0 (same token ids): {ours:.3f} vs {q8:.3f} "
+                      f"({'at or below' if ours <= q8 + 1e-9 else 'ABOVE'} q8_0)."]
     return "\n".join(lines) + "\n"
 
 

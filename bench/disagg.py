@@ -5,7 +5,8 @@
 For each KV dtype (fp8_e4m3, bf16) the three services start as real processes on loopback with the
 embedded model; each prompt length is sent through the front door (tokenizer_svc) `repeats` times,
 one request at a time, timing every streamed message at the client. The same prompts then run
-in-process (same model, weights and KV settings, paged cache) in this process. The KV bytes per
+in-process through the public engine API (``kvwire.LLM.stream``: same model, weights, KV settings
+and paged cache, no server) in this process. The KV bytes per
 prompt token come from a direct Prefill call (every chunk's bytes, scales included).
 Writes bench/out/disagg-<model>-<stamp>.{json,md}.
 """
@@ -21,14 +22,11 @@ from pathlib import Path
 import grpc
 
 from bench import common
+from kvwire import LLM, SamplingParams
 from kvwire.cli import DEFAULT_MODEL_DIR
-from kvwire.config import KVDtype
-from kvwire.generate import generate_stream
-from kvwire.runtime import EngineConfig, load_engine
-from kvwire.sampling import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pbg
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tools.stack import Stack
 from tools.train_embedded import load_corpus
 
@@ -41,14 +39,16 @@ def prompt_ids(tok: ModelTokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-async def served(addr: str, ids: list[int], gen: int) -> tuple[float, list[float]]:
-    """(TTFT, inter-token gaps) of one token-level request through decode_svc's Generate."""
+async def served(addr: str, ids: list[int], gen: int, kv_source: int = pb.KV_SOURCE_REMOTE) -> tuple[float, list[float]]:
+    """(TTFT, inter-token gaps) of one token-level request through decode_svc's GenerateTokens,
+    its prompt prefilled on prefill_svc (KV_SOURCE_REMOTE) or inside decode_svc (KV_SOURCE_LOCAL)."""
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = pbg.DecodeServiceStub(ch)
         t0 = time.perf_counter()
         stamps = []
-        async for msg in stub.Generate(pb.GenerateTokensRequest(
-                prompt_token_ids=ids, sampling=pb.SamplingParams(max_tokens=gen, ignore_eos=True))):
+        async for msg in stub.GenerateTokens(pb.GenerateTokensRequest(
+                prompt_token_ids=ids, sampling=pb.SamplingParams(max_tokens=gen, ignore_eos=True),
+                kv_source=kv_source)):
             stamps += [time.perf_counter()] * len(msg.token_ids)
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
 
@@ -56,7 +56,7 @@ async def served(addr: str, ids: list[int], gen: int) -> tuple[float, list[float
 async def front_door(addr: str, text: str, gen: int) -> float:
     async with grpc.aio.insecure_channel(addr) as ch:
         t0 = time.perf_counter()
-        async for msg in pbg.TokenizerServiceStub(ch).Generate(pb.GenerateTextRequest(
+        async for msg in pbg.TokenizerServiceStub(ch).GenerateText(pb.GenerateTextRequest(
                 text=text, sampling=pb.SamplingParams(max_tokens=gen, ignore_eos=True))):
             if msg.token_ids:
                 return time.perf_counter() - t0
@@ -73,11 +73,11 @@ async def kv_bytes(addr: str, ids: list[int]) -> int:
         return total
 
 
-def in_process(engine, ids: list[int], gen: int) -> tuple[float, list[float]]:
+def in_process(llm: LLM, ids: list[int], gen: int) -> tuple[float, list[float]]:
     t0 = time.perf_counter()
-    stamps = [time.perf_counter() for _ in generate_stream(
-        engine.model, ids, SamplingParams(max_tokens=gen, ignore_eos=True),
-        cache=engine.new_cache(engine.spec.pages_for(len(ids) + gen) + 2))]
+    stamps = []
+    for delta in llm.stream(ids, SamplingParams(max_tokens=gen, ignore_eos=True)):
+        stamps += [time.perf_counter()] * len(delta.token_ids)
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
@@ -101,17 +101,20 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = {n: prompt_ids(tok, n) for n in lens}
     rows = []
     for kv in args.kv.split(","):
-        engine = load_engine(EngineConfig(model_dir=args.model_dir, kv_dtype=KVDtype(kv)))
+        llm = LLM(args.model_dir, kv_dtype=kv, num_pages=256)
         with Stack(model_dir=args.model_dir, kv_dtype=kv) as stack:
             for n, ids in prompts.items():
                 asyncio.run(served(stack.addr("decode_svc"), ids, 4))  # warm the path
-                in_process(engine, ids, 4)
+                in_process(llm, ids, 4)
                 srv = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen)) for _ in range(args.repeats)]
-                loc = [in_process(engine, ids, args.gen) for _ in range(args.repeats)]
+                loc = [in_process(llm, ids, args.gen) for _ in range(args.repeats)]
+                here = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen, pb.KV_SOURCE_LOCAL))
+                        for _ in range(args.repeats)]
                 fd = statistics.median(asyncio.run(front_door(stack.addr("tokenizer_svc"), tok.decode(ids), args.gen))
                                        for _ in range(args.repeats))
                 nbytes = asyncio.run(kv_bytes(stack.addr("prefill_svc"), ids))
                 row = {"kv": kv, "prompt_tokens": len(ids), "served": summarize(srv), "in_process": summarize(loc),
+                       "served_local_prefill": summarize(here),
                        "front_door_ttft_ms": 1000 * fd, "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / len(ids)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -123,11 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 def markdown(report: dict) -> str:
     lines = [f"Model {report['model']}, batch 1, {report['gen']} generated tokens, median of {report['repeats']} runs.",
-             "", "| KV | prompt | TTFT served (ms) | TTFT in-process (ms) | ratio | TTFT via front door (ms) "
-             "| ITL served (ms) | ITL in-process (ms) | ratio | KV bytes/prompt token |", "|---" * 10 + "|"]
+             "", "| KV | prompt | TTFT served (ms) | TTFT served, local prefill (ms) | TTFT in-process (ms) | ratio "
+             "| TTFT via front door (ms) | ITL served (ms) | ITL in-process (ms) | ratio | KV bytes/prompt token |",
+             "|---" * 11 + "|"]
     for r in report["rows"]:
         s, p = r["served"], r["in_process"]
-        lines.append(f"| {r['kv']} | {r['prompt_tokens']} | {s['ttft_ms']:.1f} | {p['ttft_ms']:.1f} | "
+        lines.append(f"| {r['kv']} | {r['prompt_tokens']} | {s['ttft_ms']:.1f} | "
+                     f"{r['served_local_prefill']['ttft_ms']:.1f} | {p['ttft_ms']:.1f} | "
                      f"{s['ttft_ms'] / p['ttft_ms']:.2f}x | {r['front_door_ttft_ms']:.1f} | {s['itl_ms']:.2f} | "
                      f"{p['itl_ms']:.2f} | {s['itl_ms'] / p['itl_ms']:.2f}x | {r['kv_bytes_per_token']:.0f} |")
     fp8 = {r["prompt_tokens"]: r["kv_bytes_per_token"] for r in report["rows"] if r["kv"] == "fp8_e4m3"}

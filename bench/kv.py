@@ -41,8 +41,8 @@ from kvwire.kv.wire import decode_chunk, encode_layer
 from kvwire.runtime import EngineConfig, load_engine
 from prefill_svc.runner import PrefillRunner
 from protos import convert as conv
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pbg
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 
 
 async def served(addr: str, ids: list[int], num_layers: int) -> dict:
@@ -73,7 +73,7 @@ def in_process(runner: PrefillRunner, ids: list[int]) -> dict:
     t0 = time.perf_counter()
     runner.forward(seq, ids, lambda layer: stamps.append(time.perf_counter()), threading.Event())
     fwd = time.perf_counter() - t0
-    spec, wire = runner.engine.spec, 0.0
+    spec, wire = runner.runtime.spec, 0.0
     try:
         for layer in range(spec.num_layers):
             pages = runner.layer_pages(seq, layer)
@@ -126,6 +126,9 @@ def measure(args, model_dir: Path, kv: str, lens: list[int], bar) -> list[dict]:
             rows.append({"kv": kv, "prompt_tokens": n, "layers": L, "bytes_per_token": s["payload"] / n,
                          "scale_bytes_per_token": s["scales"] / n, "framed_bytes_per_token": s["framed"] / n,
                          "spec_bytes_per_token": engine.spec.bytes_per_token, "fwd_ms": p["fwd_ms"],
+                         "page_format": f"v{engine.spec.format_version}" + (
+                             f" {engine.spec.scale_granularity.value} {engine.spec.scale_dtype.value}"
+                             if engine.spec.has_scales else ""),
                          "ttlc_ms": s["ttlc_ms"], "header_ms": s["header_ms"], "done_ms": s["done_ms"],
                          "wire_ms_per_layer": wire_total / L, "exposed_ms": exposed,
                          "serial_wire_ms": wire_total,
@@ -174,17 +177,21 @@ def main(argv: list[str] | None = None) -> dict:
 def markdown(report: dict) -> str:
     f, rows = common.fmt, report["rows"]
     bf16 = {r["prompt_tokens"]: r["bytes_per_token"] for r in rows if r["kv"] == "bf16"}
-    out = [[r["kv"], r["prompt_tokens"], f(r["bytes_per_token"], 0), f(r["scale_bytes_per_token"], 1),
+    bf16_spec = next((r["spec_bytes_per_token"] for r in rows if r["kv"] == "bf16"), None)
+    out = [[r["kv"], r.get("page_format", ""), f(r["spec_bytes_per_token"], 0),
+            common.ratio(r["spec_bytes_per_token"], bf16_spec),
+            r["prompt_tokens"], f(r["bytes_per_token"], 0), f(r["scale_bytes_per_token"], 1),
             f(r["framed_bytes_per_token"], 0), common.ratio(r["bytes_per_token"], bf16.get(r["prompt_tokens"])),
             f(r["wire_ms_per_layer"], 3), f(r["serial_wire_ms"], 2), f(r["fwd_ms"]), f(r["ttlc_ms"]),
             f(r["exposed_ms"], 2), f"{100 * r['hidden_share']:.0f}%"] for r in rows]
     return (f"KV on the wire from prefill_svc, model {report['model']} (weights {report['weights']}), best of "
-            f"{report['repeats']} runs. bytes/token = values + scales per prompt token over all layers; "
+            f"{report['repeats']} runs. page bytes/token = values + scales of full pages over all layers "
+            f"(the page format's own cost); bytes/token = values + scales per prompt token as served; "
             f"framed adds protobuf fields; wire ms/layer = encode + serialize + parse + verify one layer's pages "
             f"(in-process); exposed = time-to-last-chunk (served) - forward (in-process); shipped during "
             f"compute = share of layers whose pages had all arrived before the forward time.\n"
             f"{machine.describe(report['machine'])}\n\n"
-            + common.table(["KV", "prompt", "bytes/token", "of which scales", "framed bytes/token", "vs bf16",
+            + common.table(["KV", "page format", "page bytes/token", "vs bf16", "prompt", "bytes/token", "of which scales", "framed bytes/token", "vs bf16",
                             "wire ms/layer", "x layers", "forward ms", "last chunk ms", "exposed ms",
                             "shipped during compute"], out) + "\n")
 

@@ -1,13 +1,17 @@
-"""llama.cpp as a peer, through ``llama-cpp-python``: our HF safetensors converted to GGUF locally.
+"""llama.cpp as a peer, through ``llama-cpp-python``: the same weights converted to GGUF locally.
 
     python -m bench engine --peers llama.cpp-f16,llama.cpp-q8_0
+    python -m bench accuracy --model smollm2-135m-instruct     # perplexity rows
 
-``to_gguf`` writes a Llama-architecture GGUF with the ``gguf`` package (no download, no tokenizer:
-``tokenizer.ggml.model = no_vocab`` with the vocabulary size, since the benchmark feeds token ids).
-Q and K projections are permuted to llama.cpp's rotary layout exactly as convert_hf_to_gguf.py does.
-q8_0 comes from llama.cpp's own quantizer (``llama_model_quantize``) over the f16 file.
+``to_gguf`` writes a Llama-architecture GGUF of an HF checkpoint with the ``gguf`` package (no
+download, no tokenizer: ``tokenizer.ggml.model = no_vocab`` with the vocabulary size, since the
+benchmarks feed token ids). Q and K projections are permuted to llama.cpp's rotary layout exactly
+as convert_hf_to_gguf.py does. ``gguf_to_f16`` does the same for a GGUF source (e.g. the Q4_1
+SmolLM2 file): every tensor dequantized by ``gguf.quants`` and stored as f16, names and row order
+kept. q8_0 comes from llama.cpp's own quantizer (``llama_model_quantize``) over the f16 file.
 ``run_llamacpp`` times the same phases as bench/engine_runs.py through llama.cpp's C API
-(``llama_decode`` on a ``llama_batch``; one sequence id per stream, a unified KV buffer).
+(``llama_decode`` on a ``llama_batch``; one sequence id per stream, a unified KV buffer);
+``perplexity`` scores windows of token ids with logits at every position.
 """
 from __future__ import annotations
 
@@ -35,19 +39,15 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def to_gguf(model_dir: Path, out: Path) -> Path:
-    """f16 GGUF of an HF Llama checkpoint (written once, to a temporary name first; reused while present)."""
+def _writer(cfg: dict, arch: str, name: str, path: Path):
+    """A GGUFWriter with the hyperparameters of an HF-style config dict; no tokenizer
+    (``no_vocab`` with the vocabulary size: the benchmarks feed token ids)."""
     import gguf
-    from safetensors import safe_open
-    if out.is_file():
-        return out
-    cfg = json.loads((model_dir / "config.json").read_text())
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    kv, head_dim = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or h // heads
+    kv, head_dim = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
     rope = cfg.get("rope_parameters") or {}
-    tmp = out.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name(model_dir.name)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(h)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -62,6 +62,28 @@ def to_gguf(model_dir: Path, out: Path) -> Path:
     w.add_vocab_size(cfg["vocab_size"])
     w.add_tokenizer_model("no_vocab")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    return w
+
+
+def _finish(w, tmp: Path, out: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+    tmp.rename(out)
+    return out
+
+
+def to_gguf(model_dir: Path, out: Path) -> Path:
+    """f16 GGUF of an HF Llama checkpoint (written once, to a temporary name first; reused while present)."""
+    from safetensors import safe_open
+    if out.is_file():
+        return out
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    tmp = out.with_suffix(".tmp")
+    w = _writer(cfg, "llama", model_dir.name, tmp)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -86,12 +108,28 @@ def to_gguf(model_dir: Path, out: Path) -> Path:
                 else:
                     continue
                 w.add_tensor(gname, t.astype(np.float16) if t.ndim == 2 else t.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=True)
-    w.close()
-    tmp.rename(out)
-    return out
+    return _finish(w, tmp, out)
+
+
+def gguf_to_f16(src: Path, out: Path) -> Path:
+    """f16 GGUF of any GGUF checkpoint (e.g. a Q4_1 one): every matrix dequantized with the
+    ``gguf`` package and stored as f16, vectors as f32. Tensors keep llama.cpp's names and row
+    order (Q/K are already permuted in the source), so this is the same weights our loader reads."""
+    from gguf.quants import dequantize
+
+    from kvwire.model import gguf as ours
+    if out.is_file():
+        return out
+    reader = ours.open_gguf(src)
+    cfg = ours.hf_config(reader, str(src))
+    arch = ours.field(reader, "general.architecture")
+    tmp = out.with_suffix(".tmp")
+    w = _writer(cfg, arch, src.stem, tmp)
+    for t in reader.tensors:
+        x = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        x = x.reshape(tuple(int(n) for n in reversed(t.shape)))  # [rows, cols]
+        w.add_tensor(t.name, x.astype(np.float16) if x.ndim == 2 else x)
+    return _finish(w, tmp, out)
 
 
 def quantize_q8_0(f16: Path, out: Path) -> Path:
@@ -105,17 +143,69 @@ def quantize_q8_0(f16: Path, out: Path) -> Path:
     return out
 
 
-def gguf_for(model_dir: Path, fmt: str) -> Path:
-    """The GGUF of a checkpoint, cached under bench/.models/gguf (git-ignored; never beside a
-    model in the repo) and keyed by the weights' path, size and mtime, so a rebuilt model converts anew."""
+def gguf_for(model_path: Path, fmt: str) -> Path:
+    """The f16 or q8_0 GGUF of a checkpoint (an HF directory, or a GGUF file / a directory holding
+    one), cached under bench/.models/gguf (git-ignored; never beside a model in the repo) and keyed
+    by the weights' path, size and mtime, so a rebuilt model converts anew."""
     from bench.common import MODELS
-    weights = sorted(model_dir.resolve().glob("*.safetensors"))
+    from kvwire.model.gguf import find_gguf
+    src = find_gguf(Path(model_path))
+    weights = [src.resolve()] if src is not None else sorted(Path(model_path).resolve().glob("*.safetensors"))
     key = hashlib.sha256("|".join(f"{w}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights).encode())
     out = MODELS / "gguf"
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{model_dir.name}-{key.hexdigest()[:12]}"
-    f16 = to_gguf(model_dir, out / f"{stem}-f16.gguf")
+    stem = f"{(src.stem if src is not None else Path(model_path).name)}-{key.hexdigest()[:12]}"
+    f16 = out / f"{stem}-f16.gguf"
+    f16 = gguf_to_f16(src, f16) if src is not None else to_gguf(Path(model_path), f16)
     return f16 if fmt == "f16" else quantize_q8_0(f16, out / f"{stem}-q8_0.gguf")
+
+
+def perplexity(path: Path, windows: list[list[int]], threads: int = 2, desc: str = "llama.cpp") -> float:
+    """Perplexity of llama.cpp on ``windows`` (token ids): each window one batch in a fresh context,
+    logits for every position (llama-cpp-python's ``logits_all``), the same scoring as bench/accuracy."""
+    import llama_cpp as L
+    from tqdm import tqdm
+    _quiet(L)
+    n = max(len(w) for w in windows)
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n, n, n, 1
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cp)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(n, 0, 1)
+    nll, count = 0.0, 0
+    try:
+        for w in tqdm(windows, desc=desc, unit="window"):
+            L.llama_memory_clear(L.llama_get_memory(ctx), True)
+            batch.n_tokens = len(w)
+            for i, tok in enumerate(w):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, True
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(w), n_vocab))[:-1]
+            logits = logits.astype(np.float64)
+            top = logits.max(axis=1, keepdims=True)
+            logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))  # [len(w) - 1]
+            nll += float((logz - logits[np.arange(len(w) - 1), w[1:]]).sum())
+            count += len(w) - 1
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    return float(np.exp(nll / count))
+
+
+def _quiet(L) -> None:
+    try:
+        from llama_cpp import _logger
+        _logger.set_verbose(False)  # llama.cpp's load log is long; errors still print
+    except ImportError:
+        pass
 
 
 def weight_bytes(path: Path) -> int:
@@ -130,11 +220,7 @@ def weight_bytes(path: Path) -> int:
 def run_llamacpp(s: dict) -> dict:
     import llama_cpp as L
     from bench.engine_runs import prompts, time_phases
-    try:
-        from llama_cpp import _logger
-        _logger.set_verbose(False)  # llama.cpp's load log is long; errors still print
-    except ImportError:
-        pass
+    _quiet(L)
     path = gguf_for(Path(s["model_dir"]), s["weights"])
     nmax = max(s["batches"])
     n_ctx = max(s["prompt_len"], nmax * s["batch_ctx"]) + nmax * (s["decode_tokens"] + 32)

@@ -1,7 +1,7 @@
 """Facts about the machine measured in the same run as the benchmarks that use them.
 
-The CPU's instruction sets are read from /proc/cpuinfo every run (shared/MEASURED.md says "no
-AVX-512" but the machines handed out have differed), and memory bandwidth is measured here, not
+The CPU's instruction sets are read from /proc/cpuinfo every run (machines of the
+same kind differ: some are AVX2-only, some have AVX-512 with BF16/VNNI), and memory bandwidth is measured here, not
 copied from a document. The load average is recorded too: on a shared 2-core machine, torch's
 2 OpenMP threads slow small ops down by orders of magnitude when other processes hold a core.
 """

@@ -1,4 +1,4 @@
-"""Load generator against the front door (tokenizer_svc Generate) over loopback gRPC.
+"""Load generator against the front door (tokenizer_svc GenerateText) over loopback gRPC.
 
     python -m bench serve [--model-dir models/kvwire-tiny] [--input-len 128] [--output-len 32] \
         [--num-prompts 32] [--concurrency 1,4,16] [--slo-ttft-ms 1000] [--slo-tpot-ms 100] \
@@ -28,8 +28,8 @@ from bench import common, machine, plots
 from bench.metrics import RequestRecord, summarize
 from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.tokenizer import ModelTokenizer
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pbg
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 
 
 def build_prompts(tok: ModelTokenizer, n: int, input_len: int, dataset: str, seed: int) -> list[str]:
@@ -49,7 +49,7 @@ async def one_request(stub, text: str, output_len: int) -> RequestRecord:
     req = pb.GenerateTextRequest(text=text, sampling=pb.SamplingParams(max_tokens=output_len, ignore_eos=True))
     rec = RequestRecord(start=time.perf_counter())
     try:
-        async for msg in stub.Generate(req):
+        async for msg in stub.GenerateText(req):
             now = time.perf_counter()
             if msg.token_ids:
                 rec.chunks.append((now, len(msg.token_ids)))
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
 def markdown(report: dict) -> str:
     f = common.fmt
     slo = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in report["slo_ms"].items() if v) or "none"
-    head = (f"Front door (tokenizer_svc Generate) over loopback gRPC, model {report['model']} "
+    head = (f"Front door (tokenizer_svc GenerateText) over loopback gRPC, model {report['model']} "
             f"(weights {report['weights']}, KV {report['kv_dtype']}, speculative {report.get('speculative', 'none')}), "
             f"{report['num_prompts']} requests per level, "
             f"{report['dataset']} prompts of {report['input_len']} tokens, exactly {report['output_len']} output "

@@ -2,9 +2,10 @@
 
     python -m bench.speculative --max-tokens 96 --k 4
 
-In process (the decode engine's own step over a DecodeRunner, no gRPC), so the numbers isolate
-decoding: each prompt's KV is computed by a local prefill (what prefill_svc would ship), then
-only decode steps are timed (the draft's prefill of the prompt, which decode_svc runs, included).
+In process through the public engine API (``kvwire.LLM``: ``add_request`` + ``step``, no gRPC),
+so the numbers isolate decoding: the first step prefills the prompt locally (what prefill_svc
+would ship) and is not timed; only the decode steps after it are (the draft's prefill of the
+prompt, which decode_svc runs too, included).
 Two tasks on the embedded model pair:
 
 * heldout: the start of each held-out pydoc topic (tools/train_embedded.py's split), continued;
@@ -25,40 +26,27 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvwire import LLM, SamplingParams
 from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype
-from kvwire.runtime import EngineConfig, load_engine
-from kvwire.sampler import sample
-from kvwire.sampling import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
-from decode_svc.engine import DecodeEngine, _Request
-from decode_svc.runner import DecodeRunner
-from decode_svc.scheduler import Phase, Scheduler, SchedulerConfig, SeqState
-from decode_svc.speculative import SpecConfig
 
 OUT = Path(__file__).parent / "out"
 
 
-class TimedRunner(DecodeRunner):
-    """DecodeRunner that adds up the time spent drafting and in target forwards."""
+class Timer:
+    """Adds up the time spent in a bound method (the runner's drafting and target forwards)."""
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.t_draft = self.t_target = 0.0
+    def __init__(self, obj, name: str):
+        self.seconds, inner = 0.0, getattr(obj, name)
 
-    def propose(self, *a, **kw):
-        t = time.perf_counter()
-        try:
-            return super().propose(*a, **kw)
-        finally:
-            self.t_draft += time.perf_counter() - t
-
-    def step(self, *a, **kw):
-        t = time.perf_counter()
-        try:
-            return super().step(*a, **kw)
-        finally:
-            self.t_target += time.perf_counter() - t
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+        setattr(obj, name, timed)
 
 
 @dataclass
@@ -107,32 +95,19 @@ class Row:
                 "identical_to_none": None if base is None else self.outputs == base.outputs}
 
 
-def decode_one(engine: DecodeEngine, prompt: list[int], mode: str, k: int, max_tokens: int) -> Run:
-    runner: TimedRunner = engine.runner
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=mode, num_speculative_tokens=k)
-    seq = 0
-    positions = runner.cache.prepare([seq], [len(prompt)])  # the KV prefill_svc would ship
-    logits = runner.engine.model(torch.tensor(prompt), positions, runner.cache,
-                                 logits_rows=torch.tensor([len(prompt) - 1]))
-    first = sample(logits[0], params, 0)
-    req = _Request("bench", seq, prompt, params, frozenset(), SeqState("bench", len(prompt), max_tokens, 0,
-                                                                       Phase.DECODING))
-    req.mode, req.context, req.generated = mode, [*prompt, first], 1
-    req.k = req.k_max = 0 if mode == "none" else k
-    runner.t_draft = runner.t_target = 0.0
+def decode_one(llm: LLM, timers: dict[str, Timer], prompt: list[int], mode: str, k: int, max_tokens: int) -> Run:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=mode, num_speculative_tokens=k or None)
+    rid = llm.add_request(prompt, params)
+    req = llm.core.requests[rid]  # its counters (steps, drafted, accepted) outlive the request
+    llm.step()  # admission + local prefill: the first token, not timed
+    for t in timers.values():
+        t.seconds = 0.0
     t0 = time.perf_counter()
-    while req.generated < max_tokens:
-        [(tokens, proposed)] = engine._step([req])
-        if proposed:
-            engine._record_spec(req, proposed, len(tokens) - 1)
-        tokens = tokens[:max_tokens - req.generated]
-        req.context += tokens
-        req.generated += len(tokens)
-        req.steps += 1
+    while llm.has_unfinished():
+        llm.step()
     seconds = time.perf_counter() - t0
-    runner.free(seq)
-    return Run(req.context[len(prompt) + 1:], seconds, req.steps, req.drafted, req.accepted, req.spec_steps,
-               runner.t_draft, runner.t_target)
+    return Run(req.output_ids[1:], seconds, req.steps, req.drafted, req.accepted, req.spec_steps,
+               timers["draft"].seconds, timers["target"].seconds)
 
 
 def build_prompts(tok: ModelTokenizer, n: int, prompt_len: int, passage_len: int, cut: int):
@@ -166,24 +141,22 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_engine(EngineConfig(model_dir=args.model_dir, kv_dtype=KVDtype(args.kv_dtype)))
-    draft = load_engine(EngineConfig(model_dir=args.draft_model_dir, kv_dtype=KVDtype(args.draft_kv_dtype)))
-    runner = TimedRunner(target, 256, draft)
-    runner.warm_up()
-    engine = DecodeEngine(runner, Scheduler(SchedulerConfig(256, target.spec.block_size)), None,
-                          spec_config=SpecConfig(adaptive=args.adaptive))
+    llm = LLM(args.model_dir, kv_dtype=args.kv_dtype, num_pages=256, draft_model=args.draft_model_dir,
+              draft_kv_dtype=args.draft_kv_dtype, speculative_adaptive=args.adaptive)
+    llm.core.runner.warm_up()
+    timers = {"draft": Timer(llm.core.runner, "propose"), "target": Timer(llm.core.runner, "step")}
     prompts, names = build_prompts(ModelTokenizer(args.model_dir), args.prompts, args.prompt_len,
                                    args.passage_len, args.cut)
     plan = [("heldout", "none", 0), ("heldout", "draft", args.k), ("heldout", "ngram", args.ngram_k),
             ("grounded", "none", 0), ("grounded", "draft", args.k), ("grounded", "ngram", args.ngram_k)]
     rows = {(t, m): Row(t, m) for t, m, _ in plan}
     for task, mode, k in plan:  # one untimed warm-up decode per configuration
-        decode_one(engine, prompts[task][0], mode, k, 8)
+        decode_one(llm, timers, prompts[task][0], mode, k, 8)
     total = sum(len(prompts[t]) for t, _, _ in plan)
     with tqdm(total=total, desc="decoding", unit="run") as bar:
         for i in range(args.prompts):  # modes interleaved per prompt: machine noise hits all alike
             for task, mode, k in plan:
-                rows[task, mode].add(decode_one(engine, prompts[task][i], mode, k, args.max_tokens))
+                rows[task, mode].add(decode_one(llm, timers, prompts[task][i], mode, k, args.max_tokens))
                 bar.update(1)
     results = [rows[t, m].summary(None if m == "none" else rows[t, "none"]) for t, m, _ in plan]
     meta = {"model_dir": str(args.model_dir), "draft_model_dir": str(args.draft_model_dir),

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from bench import common, machine
 from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.tokenizer import ModelTokenizer
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pbg
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
 
 

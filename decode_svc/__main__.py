@@ -7,28 +7,32 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from kvwire import cli
+from kvwire import cli, metrics, security
 from kvwire.config import KVDtype, QuantMode
 from kvwire.lazy import Lazy
 from kvwire.runtime import load_engine
-from kvwire.sampling import MAX_SPECULATIVE_TOKENS
+from kvwire.sampling_params import MAX_SPECULATIVE_TOKENS
 from kvwire.serving import GrpcServer, build_channel
 from kvwire.telemetry import setup_tracing, start_metrics_server
-from kvwire.tokenizer import ModelTokenizer
-from decode_svc.engine import DecodeEngine
-from decode_svc.runner import DecodeRunner
-from decode_svc.scheduler import Scheduler, SchedulerConfig
+from kvwire.files import LoadError
+from kvwire.model.source import eos_token_ids, load_config
+from kvwire.engine.async_engine import AsyncEngine
+from kvwire.engine.core import EngineCore
+from kvwire.engine.kv_source import KVSourcePolicy, KVSources, LocalPrefill, RemotePrefill
+from kvwire.engine.runner import ModelRunner
+from kvwire.engine.scheduler import SchedulerConfig
+from kvwire.engine.speculative import SpecConfig
+from kvwire.sampling_params import SpeculativeMode
 from decode_svc.server import DecodeServicer
-from decode_svc.speculative import SpecConfig
-from protos import kvwire_pb2_grpc
+from protos.kvwire.v1 import kvwire_pb2_grpc
 
 log = logging.getLogger("decode_svc")
 
 
 async def serve(args: argparse.Namespace) -> None:
     telemetry = setup_tracing("kvwire-decode")
-    start_metrics_server(telemetry, args.metrics_port)
-    server = GrpcServer()
+    start_metrics_server(telemetry, args.metrics_port, security.metrics_host(args))
+    server = GrpcServer(security=security.server_security(args), reflection=not args.no_reflection)
     lazy = Lazy(DecodeServicer, "decode_svc")
     server.add_service(kvwire_pb2_grpc.add_DecodeServiceServicer_to_server, lazy, "kvwire.v1.DecodeService")
     port = await server.start(args.listen)
@@ -36,46 +40,67 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("loading %s (weights %s, KV %s) ...", engine_cfg.model_dir, engine_cfg.weights.value,
              engine_cfg.kv_dtype.value)
     engine = await asyncio.to_thread(load_engine, engine_cfg)
-    eos = ModelTokenizer(engine_cfg.model_dir).eos_ids | set(engine.model_config.eos_token_ids)
+    eos = eos_token_ids(engine_cfg.model_dir, engine.model_config)  # no tokenizer.json needed
     draft = await asyncio.to_thread(load_draft, args, engine_cfg, engine)
-    runner = DecodeRunner(engine, engine_cfg.num_pages, draft)
+    runner = ModelRunner(engine, engine_cfg.num_pages, draft, prefix_caching=args.prefix_caching)
     await asyncio.to_thread(runner.warm_up)
-    scheduler = Scheduler(SchedulerConfig(total_pages=engine_cfg.num_pages, block_size=engine_cfg.block_size,
-                                          max_waiting=args.max_waiting, max_running=args.max_running,
-                                          sliding_window=engine.model_config.sliding_window))
-    channel = build_channel(args.prefill_addr)
-    spec_cfg = SpecConfig(mode=args.speculative, num_tokens=args.num_speculative_tokens,
+    spec_cfg = SpecConfig(mode=SpeculativeMode(args.speculative), num_tokens=args.num_speculative_tokens,
                           adaptive=args.adaptive_speculation, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
-    decode = DecodeEngine(runner, scheduler, kvwire_pb2_grpc.PrefillServiceStub(channel), eos, spec_cfg)
+    core = EngineCore(runner, SchedulerConfig(total_pages=engine_cfg.num_pages, max_waiting=args.max_waiting,
+                                              max_running=args.max_running), spec_cfg, eos)
+    # Without --prefill-addr every prompt prefills here; with it, KVSources picks per request.
+    channel = build_channel(args.prefill_addr, security=security.client_security(args, "prefill")) if args.prefill_addr else None
+    remote = RemotePrefill(runner, kvwire_pb2_grpc.PrefillServiceStub(channel), channel) if channel else None
+    policy = KVSourcePolicy(local_max_tokens=args.local_prefill_max_tokens,
+                            remote_max_inflight=args.remote_prefill_max_inflight)
+    decode = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, policy))
     decode.start()
+    metrics.watch_pool(decode.stats)  # running/waiting requests, KV pool use
     lazy.set(DecodeServicer(decode))
     await server.set_serving()
-    log.info("decode_svc SERVING on port %d (prefill at %s)", port, args.prefill_addr)
+    log.info("decode_svc SERVING on port %d (prefill at %s)", port, args.prefill_addr or "none: local only")
     try:
-        await server.serve_until_signal(grace_s=args.grace_s)
+        await server.serve_until_signal(grace_s=args.grace_s, drain_delay_s=args.drain_delay_s)
     finally:
         await decode.close()
-        await channel.close()
+        if channel is not None:
+            await channel.close()
         telemetry.shutdown()
 
 
-def load_draft(args: argparse.Namespace, target_cfg, target):
-    """The draft model for speculative=draft, or None when none is configured or found."""
-    path = args.draft_model_dir
-    if path is None or not str(path) or not (Path(path) / "config.json").is_file():
-        if args.speculative == "draft":
-            raise SystemExit(f"--speculative draft needs a draft model, but {path} has no config.json "
-                             "(train it with tools/train_embedded.py or pass --draft-model-dir)")
-        log.info("no draft model at %s: speculative=draft requests will be refused", path)
+def draft_path(args: argparse.Namespace) -> Path | None:
+    """The draft asked for: --draft-model-dir when given ('' = none); with --speculative draft and no
+    --draft-model-dir, the ``<model-dir>-draft`` directory beside the model (the embedded pair)."""
+    if args.draft_model_dir is not None:
+        return Path(args.draft_model_dir) if args.draft_model_dir else None
+    if args.speculative != "draft":
         return None
-    cfg = dataclasses.replace(target_cfg, model_dir=Path(path), weights=QuantMode(args.draft_weights),
+    sibling = Path(args.model_dir).parent / f"{Path(args.model_dir).name}-draft"
+    if not sibling.is_dir():
+        raise LoadError(f"--speculative draft needs a draft model: pass --draft-model-dir (there is no "
+                        f"{sibling} beside {args.model_dir})")
+    return sibling
+
+
+def load_draft(args: argparse.Namespace, target_cfg, target):
+    """The draft model when one is asked for, else None (speculative=draft requests are then refused).
+    A draft that does not share the target's vocabulary is a LoadError naming both."""
+    path = draft_path(args)
+    if path is None:
+        log.info("no draft model: speculative=draft requests will be refused")
+        return None
+    draft_config = load_config(path)
+    if draft_config.vocab_size != target.model_config.vocab_size:
+        raise LoadError(f"draft model {path} has vocab size {draft_config.vocab_size}, the target "
+                        f"{target_cfg.model_dir} has {target.model_config.vocab_size}: a draft must share "
+                        "the target's tokenizer")
+    cfg = dataclasses.replace(target_cfg, model_dir=path, weights=QuantMode(args.draft_weights),
                               kv_dtype=KVDtype(args.draft_kv_dtype))
     draft = load_engine(cfg)
-    if draft.model_config.vocab_size != target.model_config.vocab_size or \
-            draft.fingerprint.tokenizer_sha256 != target.fingerprint.tokenizer_sha256:
-        raise SystemExit(f"draft model {path} does not share the target's tokenizer (vocab "
-                         f"{draft.model_config.vocab_size} vs {target.model_config.vocab_size}, tokenizer sha256 "
-                         f"{draft.fingerprint.tokenizer_sha256[:12]} vs {target.fingerprint.tokenizer_sha256[:12]})")
+    if draft.fingerprint.tokenizer_sha256 != target.fingerprint.tokenizer_sha256:
+        raise LoadError(f"draft model {path} does not share the tokenizer of the target {target_cfg.model_dir} "
+                        f"(tokenizer sha256 {draft.fingerprint.tokenizer_sha256[:12] or 'none'} vs "
+                        f"{target.fingerprint.tokenizer_sha256[:12] or 'none'})")
     log.info("draft model %s loaded (weights %s, KV %s)", path, cfg.weights.value, cfg.kv_dtype.value)
     return draft
 
@@ -84,8 +109,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m decode_svc", description=__doc__)
     cli.add_engine_args(ap, default_pages=2048)
     cli.add_server_args(ap, default_listen="127.0.0.1:50052")
+    security.add_serving_args(ap, peers=("prefill",))
     ap.add_argument("--prefill-addr", default="127.0.0.1:50053",
-                    help="prefill_svc address: host:port, or dns:///name:port for several replicas")
+                    help="prefill_svc address: host:port, or dns:///name:port for several replicas; '' = none "
+                         "(every prompt prefills in this process)")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                    help="prompts of at most this many tokens prefill here instead of on prefill_svc (unless "
+                         "the request sets kv_source); longer ones go remote while prefill_svc is reachable. "
+                         "0 = all go remote (the disaggregated default)")
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                    help="keep full prompt pages and reuse them for prompts with the same prefix; only the "
+                         "pages decode lacks are computed locally or asked from prefill_svc")
+    ap.add_argument("--remote-prefill-max-inflight", type=int, default=8,
+                    help="with this many remote prefills running, further prompts prefill here (overload)")
     ap.add_argument("--max-running", type=int, default=16, help="requests decoded together at most")
     ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before RESOURCE_EXHAUSTED")
     sp = ap.add_argument_group("speculative decoding")
@@ -96,9 +132,9 @@ def main() -> None:
     sp.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
                     help="adapt k per request to its acceptance (+2 when all accepted, -1 otherwise, "
                          "between 1 and the request's k)")
-    sp.add_argument("--draft-model-dir", type=Path, default=cli.DEFAULT_MODEL_DIR.parent / "kvwire-tiny-draft",
-                    help="draft model (same tokenizer as --model-dir), loaded when the directory exists; "
-                         "'' = none")
+    sp.add_argument("--draft-model-dir", default=None,
+                    help="draft model (same tokenizer as --model-dir); loaded only when given, or with "
+                         "--speculative draft from <model-dir>-draft beside the model; '' = none")
     sp.add_argument("--draft-weights", choices=[m.value for m in QuantMode], default=QuantMode.NONE.value,
                     help="draft weight mode")
     sp.add_argument("--draft-kv-dtype", choices=[d.value for d in KVDtype], default=KVDtype.BF16.value,
@@ -112,7 +148,7 @@ def main() -> None:
     if not 1 <= args.ngram_min <= args.ngram_max:
         ap.error("--ngram-min and --ngram-max need 1 <= min <= max")
     cli.setup_logging(args.log_level)
-    asyncio.run(serve(args))
+    cli.run_service("decode_svc", serve(args))
 
 
 if __name__ == "__main__":

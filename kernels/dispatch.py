@@ -43,6 +43,9 @@ def dequantize_pages(pages, scales, page_ids) -> torch.Tensor:
 
 def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context_lens,
                            window, sm_scale) -> torch.Tensor:
-    """One-query-per-sequence GQA over pages (see ``kernels.reference.paged_decode_attention``)."""
+    """One query per row, GQA over pages (see ``kernels.reference.paged_decode_attention``).
+
+    A row is a sequence's block table plus the query's context length, so several queries of
+    one sequence (a speculative verification) are several rows sharing a table, in one call."""
     return _impl(q).paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables,
                                            context_lens, window, sm_scale)

@@ -9,8 +9,7 @@ Divisions that feed a rounding use ``tl.math.div_rn`` (IEEE round-to-nearest, li
 ``/``, which a GPU compiles to an approximate division. Attention sums in a different order than
 the reference: equal within float32 round-off.
 
-Preconditions (true for slot mappings built from block tables, one sequence after another):
-tokens that land in the same page are adjacent in ``slot_mapping``; page tensors are contiguous.
+Precondition: page and scale tensors are contiguous.
 """
 from __future__ import annotations
 
@@ -79,70 +78,51 @@ def _bf16_bits_to_f32(h):
 def _load_page_f32(pages, scales, page, h, rows, d, mask, num_kv_heads,
                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, IS_FP8: tl.constexpr):
     """[len(rows), len(d)] float32 of page ``page``, kv-head ``h`` (int pages: see module doc)."""
-    base = pages + (page.to(tl.int64) * num_kv_heads + h) * (BLOCK * HEAD_DIM)
-    raw = tl.load(base + rows[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0).to(tl.int32)
+    head = page.to(tl.int64) * num_kv_heads + h
+    raw = tl.load(pages + head * (BLOCK * HEAD_DIM) + rows[:, None] * HEAD_DIM + d[None, :],
+                  mask=mask, other=0).to(tl.int32)
     if IS_FP8:
-        scale = tl.load(scales + page.to(tl.int64) * num_kv_heads + h, mask=page >= 0, other=0.0)
-        return _e4m3_bits_to_f32(raw & 0xFF) * scale
+        # A released page (-1) reads no scales; (rows * 0 + page): the interpreter refuses a
+        # scalar condition broadcast into a vector mask.
+        smask = ((rows * 0 + page) >= 0) & (rows < BLOCK)
+        s = tl.load(scales + head * BLOCK + rows, mask=smask, other=0)
+        return _e4m3_bits_to_f32(raw & 0xFF) * _bf16_bits_to_f32(s)[:, None]
     return _bf16_bits_to_f32(raw)
 
 
 @triton.jit
-def _write_kernel(pages, scales, new, slots, num_tokens, num_kv_heads, stride_nt, stride_nh,
-                  BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr,
-                  BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, FMAX: tl.constexpr,
-                  FLOOR: tl.constexpr):
-    # One program per (token, kv-head). For fp8 only the first token of each run of tokens in the
-    # same page (the "leader") works: it owns that (page, head) scale group, so the amax, the
-    # scale update and the requantization need no atomics. The others exit at once.
+def _write_kernel(pages, scales, new, slots, num_kv_heads, stride_nt, stride_nh,
+                  BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  IS_FP8: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr):
+    # One program per (token, kv-head), each writing only its own slot (format 2 is
+    # append-only: a token's scale depends on its own values), so no program reads another's
+    # output and tokens may come in any order.
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     slot = tl.load(slots + t)
-    page = slot // BLOCK
+    head = (slot // BLOCK) * num_kv_heads + h
+    dst = pages + head * (BLOCK * HEAD_DIM) + (slot % BLOCK) * HEAD_DIM + d
+    x = tl.load(new + t.to(tl.int64) * stride_nt + h * stride_nh + d, mask=dmask, other=0.0).to(tl.float32)
     if IS_FP8:
-        prev = tl.load(slots + t - 1, mask=t > 0, other=-1)
-        if (t == 0) | (prev // BLOCK != page):  # the leader of its page's run; others do nothing
-            rows = tl.arange(0, BLOCK_B)
-            idx = t + rows  # the run is at most one page long
-            tok_slot = tl.load(slots + idx, mask=idx < num_tokens, other=0)
-            in_page = (idx < num_tokens) & (tok_slot // BLOCK == page)  # [BLOCK_B]
-            off = tok_slot % BLOCK
-            x = tl.load(new + idx[:, None].to(tl.int64) * stride_nt + h * stride_nh + d[None, :],
-                        mask=in_page[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [BLOCK_B, BLOCK_D]
-            amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max), 0, _max)
-            sptr = scales + page.to(tl.int64) * num_kv_heads + h
-            old = tl.load(sptr)
-            scale = tl.maximum(tl.maximum(old, tl.math.div_rn(amax, FMAX)), FLOOR)
-            base = pages + (page.to(tl.int64) * num_kv_heads + h) * (BLOCK * HEAD_DIM)
-            if scale > old:
-                # Requantize the rows this step does not overwrite: disjoint from the stores of
-                # the new rows below, so no ordering between them is needed.
-                written = tl.reduce(((off[:, None] == rows[None, :]) & in_page[:, None]).to(tl.int32),
-                                    0, _add) > 0
-                rmask = ((rows < BLOCK) & ~written)[:, None] & dmask[None, :]
-                held = _e4m3_bits_to_f32(tl.load(base + rows[:, None] * HEAD_DIM + d[None, :],
-                                                 mask=rmask, other=0).to(tl.int32)) * old
-                requant = tl.where(old > 0, _f32_to_e4m3_bits(tl.math.div_rn(held, scale)), 0)
-                tl.store(base + rows[:, None] * HEAD_DIM + d[None, :], requant.to(tl.uint8), mask=rmask)
-            q = _f32_to_e4m3_bits(tl.math.div_rn(x, scale))
-            tl.store(base + off[:, None] * HEAD_DIM + d[None, :], q.to(tl.uint8),
-                     mask=in_page[:, None] & dmask[None, :])
-            tl.store(sptr, scale)
-    else:  # bf16: every token writes its own row
-        x = tl.load(new + t.to(tl.int64) * stride_nt + h * stride_nh + d, mask=dmask).to(tl.float32)
-        base = pages + (page.to(tl.int64) * num_kv_heads + h) * (BLOCK * HEAD_DIM) + (slot % BLOCK) * HEAD_DIM
-        tl.store(base + d, _f32_to_bf16_bits(x), mask=dmask)
+        amax = tl.reduce(tl.abs(x), 0, _max)
+        bits = tl.maximum(tl.math.div_rn(amax, FMAX), FLOOR).to(tl.int32, bitcast=True)
+        bits = (bits & -65536) + ((bits & 0xFFFF) != 0).to(tl.int32) * 65536  # round up to bf16
+        scale = bits.to(tl.float32, bitcast=True)
+        tl.store(dst, _f32_to_e4m3_bits(tl.math.div_rn(x, scale)).to(tl.uint8), mask=dmask)
+        tl.store(scales + head * BLOCK + slot % BLOCK, (bits >> 16).to(tl.int16))
+    else:
+        tl.store(dst, _f32_to_bf16_bits(x), mask=dmask)
 
 
 def _int_view(pages: torch.Tensor) -> torch.Tensor:
-    assert pages.is_contiguous(), "page tensors must be contiguous"
+    assert pages.is_contiguous(), "page and scale tensors must be contiguous"
     return pages.view(torch.uint8 if pages.dtype == torch.float8_e4m3fn else torch.int16)
 
 
 def write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping) -> None:
-    """See ``kernels.reference.write_kv``; tokens sharing a page must be adjacent in slot_mapping."""
+    """See ``kernels.reference.write_kv``."""
     num_tokens = slot_mapping.numel()
     if num_tokens == 0:
         return
@@ -152,10 +132,9 @@ def write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping) -> 
     for pages, scales, new in ((k_pages, k_scale, k_new), (v_pages, v_scale, v_new)):
         assert new.stride(-1) == 1
         _write_kernel[(num_tokens, num_kv_heads)](
-            _int_view(pages), scales if is_fp8 else pages, new, slots, num_tokens, num_kv_heads,
+            _int_view(pages), _int_view(scales) if is_fp8 else pages, new, slots, num_kv_heads,
             new.stride(0), new.stride(1), BLOCK=block, HEAD_DIM=head_dim,
-            BLOCK_B=triton.next_power_of_2(block), BLOCK_D=triton.next_power_of_2(head_dim),
-            IS_FP8=is_fp8, FMAX=FP8_MAX, FLOOR=SCALE_FLOOR)
+            BLOCK_D=triton.next_power_of_2(head_dim), IS_FP8=is_fp8, FMAX=FP8_MAX, FLOOR=SCALE_FLOOR)
 
 
 @triton.jit
@@ -182,7 +161,7 @@ def dequantize_pages(pages, scales, page_ids) -> torch.Tensor:
     if ids.numel():
         is_fp8 = pages.dtype == torch.float8_e4m3fn
         _dequant_kernel[(ids.numel(), num_kv_heads)](
-            _int_view(pages), scales if is_fp8 else pages, ids, out, num_kv_heads, BLOCK=block,
+            _int_view(pages), _int_view(scales) if is_fp8 else pages, ids, out, num_kv_heads, BLOCK=block,
             HEAD_DIM=head_dim, BLOCK_B=triton.next_power_of_2(block),
             BLOCK_D=triton.next_power_of_2(head_dim), IS_FP8=is_fp8)
     return out
@@ -246,8 +225,8 @@ def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, 
     tables = block_tables.to(torch.int32).contiguous()
     is_fp8 = k_pages.dtype == torch.float8_e4m3fn
     _decode_attn_kernel[(num_seqs, num_kv_heads)](
-        q, _int_view(k_pages), _int_view(v_pages), k_scale if is_fp8 else k_pages,
-        v_scale if is_fp8 else v_pages, tables, context_lens.to(torch.int32).contiguous(), out,
+        q, _int_view(k_pages), _int_view(v_pages), _int_view(k_scale) if is_fp8 else k_pages,
+        _int_view(v_scale) if is_fp8 else v_pages, tables, context_lens.to(torch.int32).contiguous(), out,
         float(sm_scale), 0 if window is None else int(window), num_kv_heads, tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), RATIO=ratio, BLOCK=block,
         HEAD_DIM=head_dim, BLOCK_R=max(triton.next_power_of_2(ratio), 1),

@@ -2,29 +2,43 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvwire.config import KVDtype, QuantMode
-from kvwire.runtime import EngineConfig
+from kvwire.files import LoadError
+
+if TYPE_CHECKING:  # kvwire.runtime imports torch; the tokenizer service imports this module without it
+    from kvwire.runtime import EngineConfig
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvwire-tiny"
 
 
 def add_engine_args(ap: argparse.ArgumentParser, default_pages: int) -> None:
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
-                    help="local HF model directory (config.json, safetensors, tokenizer.json)")
+                    help="local HF model directory (config.json + safetensors), a .gguf file or a directory "
+                         "holding one, or a fetched model's name (python -m tools.fetch_model --list)")
     ap.add_argument("--weights", choices=[m.value for m in QuantMode], default=QuantMode.NONE.value,
                     help="weight mode: none (checkpoint as fp32), bf16, int8 (weight-only), fp8 (W8A8)")
     ap.add_argument("--kv-dtype", choices=[d.value for d in KVDtype], default=KVDtype.FP8_E4M3.value,
                     help="KV page dtype, in memory and on the wire")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--num-pages", type=int, default=default_pages, help="KV pages in this service's pool")
+    ap.add_argument("--device", default="cpu",
+                    help="torch device for weights and KV pages: cpu (default) or cuda[:N] (Triton kernels)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from kvwire.runtime import EngineConfig
+
     return EngineConfig(model_dir=args.model_dir, weights=QuantMode(args.weights), kv_dtype=KVDtype(args.kv_dtype),
-                        block_size=args.block_size, num_pages=args.num_pages)
+                        block_size=args.block_size, num_pages=args.num_pages,
+                        device=args.device)
 
 
 def add_server_args(ap: argparse.ArgumentParser, default_listen: str) -> None:
@@ -36,3 +50,17 @@ def add_server_args(ap: argparse.ArgumentParser, default_listen: str) -> None:
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def run_service(name: str, main: Coroutine) -> None:
+    """Run a service's main coroutine; a model that cannot be loaded (missing or bad config.json,
+    weights, GGUF, draft) ends the process with one line naming the file and exit code 1."""
+    try:
+        asyncio.run(main)
+    except LoadError as e:
+        logging.shutdown()
+        print(f"{name}: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Not sys.exit: the gRPC server already listening would print a traceback from its
+        # destructor once the event loop is gone. Nothing is in flight yet, so exit at once.
+        os._exit(1)

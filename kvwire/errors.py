@@ -1,8 +1,9 @@
 """The errors a kvwire component raises on purpose, one class per outcome a caller can act on.
 
 grpc-free: the scheduler, runner and codecs raise these; ``kvwire.serving`` maps them to gRPC status
-codes in one place (and maps a bare ``ValueError``, as ``SamplingParams.validate()`` raises, to
-INVALID_ARGUMENT). The message is sent to the caller verbatim, so make it say what to change.
+codes in one place. Bad user input is ``InvalidRequest`` (INVALID_ARGUMENT); any other exception,
+a bare ``ValueError`` from our own code included, is a bug and becomes INTERNAL. The message is
+sent to the caller verbatim, so make it say what to change.
 """
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ class KvwireError(Exception):
     """Base class; a bare KvwireError maps to INTERNAL."""
 
 
-class InvalidArgument(KvwireError, ValueError):
-    """The request itself is wrong (empty prompt, bad sampling values, token id out of range)."""
+class InvalidRequest(KvwireError, ValueError):
+    """The request itself is wrong (empty prompt, bad sampling values, token id out of range).
+
+    A ValueError too, so in-process callers (``LLM``, the OpenAI door) may catch either."""
+
 
 
 class NotFound(KvwireError):

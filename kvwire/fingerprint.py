@@ -1,6 +1,7 @@
 """Model fingerprint: what must be identical on both ends before a KV page is trusted.
 
-Model config, weights, tokenizer and quantization mode are hashed or named; a KV page computed
+Model config, weights, tokenizer and quantization mode are hashed or named (for a GGUF source:
+its stored tensors, and its tokenizer metadata); a KV page computed
 by one model is meaningless to another, so decode refuses a mismatch with a readable diff.
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from kvwire.config import ModelConfig
 from kvwire.files import resolve_inside
+from kvwire.model import gguf
+from kvwire.model.source import model_source
 
 
 @dataclass(frozen=True)
@@ -34,13 +37,17 @@ def config_sha256(cfg: ModelConfig) -> str:
 
 
 def tokenizer_sha256(model_dir: str | Path) -> str:
-    path = resolve_inside(Path(model_dir), "tokenizer.json")
+    """tokenizer.json's bytes for an HF directory; every ``tokenizer.*`` metadata field for a GGUF."""
+    src = model_source(model_dir)
+    if src.gguf is not None:
+        return gguf.tokenizer_sha256(gguf.open_gguf(src.gguf))
+    path = resolve_inside(src.path, "tokenizer.json")
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
 
 
 def fingerprint(model_dir: str | Path, cfg: ModelConfig, weights_sha256: str, quantization: str,
                 weights_dtype: str) -> Fingerprint:
-    return Fingerprint(model_name=Path(model_dir).name, architecture=cfg.architecture,
+    return Fingerprint(model_name=model_source(model_dir).name, architecture=cfg.architecture,
                        model_config_sha256=config_sha256(cfg), weights_sha256=weights_sha256,
                        tokenizer_sha256=tokenizer_sha256(model_dir), quantization=quantization,
                        weights_dtype=weights_dtype)

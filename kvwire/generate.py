@@ -1,6 +1,6 @@
-"""In-process generation: prefill the prompt, then decode one token at a time through a KV cache.
+"""Reference generation: one sequence, prefill the prompt, then decode one token at a time.
 
-The reference the services are checked against, and the engine the benchmarks time. Works with any
+The oracle the engine and the services are checked against (``kvwire.LLM`` is the engine). Works with any
 cache that has ``prepare(ids, num_new) -> positions`` and the model's ``KVCache.attend`` (the
 contiguous ``DenseKVCache`` or the paged FP8 cache).
 """
@@ -14,13 +14,14 @@ import torch
 from kvwire.kv.dense import DenseKVCache
 from kvwire.model.model import Transformer
 from kvwire.sampler import sample
-from kvwire.sampling import SamplingParams
+from kvwire.errors import InvalidRequest
+from kvwire.sampling_params import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)
 class Generated:
     token: int
-    finish_reason: str | None  # None while going on; "stop" (eos / stop token) or "length" at the end
+    finish_reason: FinishReason | None  # None while going on; STOP (eos / stop token) or LENGTH at the end
 
 
 def generate_stream(model: Transformer, prompt: list[int], params: SamplingParams,
@@ -28,7 +29,7 @@ def generate_stream(model: Transformer, prompt: list[int], params: SamplingParam
     """Yield generated tokens one by one; the last one carries the finish reason."""
     params.validate()
     if not prompt:
-        raise ValueError("the prompt is empty")
+        raise InvalidRequest("the prompt is empty")
     if cache is None:
         cache = DenseKVCache(model.cfg, num_slots=1, max_len=len(prompt) + params.max_tokens)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
@@ -38,10 +39,10 @@ def generate_stream(model: Transformer, prompt: list[int], params: SamplingParam
     for step in range(params.max_tokens):
         tok = sample(logits[0], params, step)
         if tok in stops:
-            yield Generated(tok, "stop")
+            yield Generated(tok, FinishReason.STOP)
             return
         if step == params.max_tokens - 1:
-            yield Generated(tok, "length")
+            yield Generated(tok, FinishReason.LENGTH)
             return
         yield Generated(tok, None)
         positions = cache.prepare([seq], [1])

@@ -1,4 +1,4 @@
-"""Build a ready-to-run engine from one frozen config: model (quantized), KV page spec, fingerprint.
+"""Build a model runtime from one frozen config: model (quantized), KV page spec, fingerprint.
 
 Shared by prefill_svc and decode_svc (and the in-process reference the services are checked
 against), so both ends load and quantize a model the same way and agree on the page format.
@@ -26,7 +26,7 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class Engine:
+class Runtime:
     cfg: EngineConfig
     model: Transformer
     model_config: ModelConfig
@@ -38,7 +38,7 @@ class Engine:
         return PagedKVCache(self.model_config, self.spec, num_pages or self.cfg.num_pages, device=self.cfg.device)
 
 
-def load_engine(cfg: EngineConfig) -> Engine:
+def load_engine(cfg: EngineConfig) -> Runtime:
     weights = QuantMode(cfg.weights)
     dtype = DType.BF16 if weights == QuantMode.BF16 else DType.FP32
     loaded = load_model(cfg.model_dir, dtype=dtype, device=cfg.device)
@@ -48,4 +48,4 @@ def load_engine(cfg: EngineConfig) -> Engine:
         model = quantize_model(model, weights)
     spec = KVPageSpec.for_model(loaded.config, cfg.block_size, cfg.kv_dtype)
     fp = fingerprint(cfg.model_dir, loaded.config, loaded.weights_sha256, weights.value, dtype.value)
-    return Engine(cfg, model, loaded.config, spec, fp)
+    return Runtime(cfg, model, loaded.config, spec, fp)

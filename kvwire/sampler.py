@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwire.sampling import SamplingParams
+from kvwire.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the seed space
 

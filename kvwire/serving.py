@@ -12,7 +12,7 @@ A service's ``__main__`` does::
 
 and talks to its peers through ``build_channel("dns:///decode:50052")`` (explicit message sizes,
 round-robin over every address the name resolves to, tracing). Servicers stay thin: they raise
-``kvwire.errors`` exceptions (or ValueError) and the error interceptor turns them into statuses.
+``kvwire.errors`` exceptions and the error interceptor turns them into statuses.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import json
 import logging
+import re
 import signal
 from typing import Any, Callable
 
@@ -31,7 +32,8 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
 from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
 
-from kvwire import errors
+from kvwire import errors, metrics
+from kvwire.security import ClientSecurity, ServerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 
 # Most specific first: the first class in an exception's MRO found here gives its status.
 _STATUS_BY_EXCEPTION: dict[type, grpc.StatusCode] = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
@@ -49,35 +51,71 @@ _STATUS_BY_EXCEPTION: dict[type, grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.KvwireError: grpc.StatusCode.INTERNAL,
-    ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # SamplingParams.validate() and friends
     TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     NotImplementedError: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 
+# Internal topology never reaches a client: peer addresses (ipv4:1.2.3.4:5, [::1]:5, dns:///x:5,
+# unix:/p), host:port pairs and absolute file paths in a message are replaced; the server log keeps them.
+_INTERNAL_DETAIL = re.compile(
+    r"(?:ipv[46]:|dns:/*|unix:|unix-abstract:)\S+"  # a gRPC peer or target, up to the next space
+    r"|\[[0-9a-fA-F.]*:[0-9a-fA-F:.]*\](?::\d+)?"  # [ipv6]:port
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"  # ipv4[:port]
+    r"|\b[A-Za-z][\w.-]*:\d{2,5}\b"  # host:port
+    r"|(?<![\w:/])/(?:[\w.+-]+/)+[\w.+-]*")  # /an/absolute/path
+# A peer's transport failure: its own wording (addresses, resolver errors) stays in the log.
+_PEER_TRANSPORT_MESSAGE = {
+    grpc.StatusCode.UNAVAILABLE: "a backend service is unavailable; retry later",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline exceeded waiting for a backend service",
+}
+
+
+def public_message(message: str) -> str:
+    """``message`` with internal addresses and file paths replaced by ``<internal>``."""
+    return _INTERNAL_DETAIL.sub("<internal>", message)
+
+
+def is_oversized_reply(exc: grpc.aio.AioRpcError) -> bool:
+    """A message from the peer over our receive limit: gRPC reports RESOURCE_EXHAUSTED, but retrying
+    cannot help (an oversized KV chunk is a broken stream), so it is DATA_LOSS to our caller.
+    ("SERVER: Received message larger than max" is the peer refusing *our* request: left as is.)"""
+    details = exc.details() or ""
+    return (exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
+            and not details.startswith("SERVER:"))
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a caller gets for ``exc`` (the one mapping in the project).
 
-    A peer's ``AioRpcError`` keeps its code and details (UNAVAILABLE when the peer is down), except
-    UNKNOWN, which becomes INTERNAL. Unexpected exceptions become INTERNAL with a short message
-    that names only the exception type; the traceback goes to the server log.
+    A peer's ``AioRpcError`` keeps its code (UNAVAILABLE when the peer is down), except UNKNOWN,
+    which becomes INTERNAL; its details pass on unless they are the channel's own (UNAVAILABLE,
+    DEADLINE_EXCEEDED), which name internal addresses. Unexpected exceptions become INTERNAL with a
+    short message that names only the exception type; the traceback goes to the server log.
+    Messages never carry internal addresses or paths (``public_message``).
     """
     if isinstance(exc, grpc.aio.AioRpcError):
         code = exc.code()
-        return (grpc.StatusCode.INTERNAL if code == grpc.StatusCode.UNKNOWN else code), exc.details() or ""
+        if is_oversized_reply(exc):
+            return grpc.StatusCode.DATA_LOSS, ("a backend service sent a message larger than the limit (a KV chunk "
+                                               "is at most 1 MiB): corrupt stream or misconfigured peer")
+        code = grpc.StatusCode.INTERNAL if code == grpc.StatusCode.UNKNOWN else code
+        return code, _PEER_TRANSPORT_MESSAGE.get(code) or public_message(exc.details() or "")
     for cls in type(exc).__mro__:
         code = _STATUS_BY_EXCEPTION.get(cls)
         if code is not None and code != grpc.StatusCode.INTERNAL:
-            return code, str(exc) or type(exc).__name__
+            return code, public_message(str(exc) or type(exc).__name__)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
 async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
     code, message = status_for(exc)
+    metrics.GRPC_ERRORS.labels(method, code.name).inc()
     if code == grpc.StatusCode.INTERNAL and not isinstance(exc, grpc.aio.AioRpcError):
         log.error("%s failed unexpectedly", method, exc_info=exc)
-    else:
-        log.info("%s -> %s: %s", method, code.name, message)
+    else:  # the full detail (peer addresses included) for the operator, not the caller
+        detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        log.info("%s -> %s: %s", method, code.name, detail)
     await context.abort(code, message)
 
 
@@ -125,24 +163,39 @@ def _traced() -> Callable:
     return negate(any_of(health_check(), service_prefix("grpc.reflection")))
 
 
+# Keepalive: a peer that vanished without a FIN (node lost, network partition) is noticed within
+# KEEPALIVE_TIME + KEEPALIVE_TIMEOUT instead of never. Servers accept pings this often.
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     service_config = {"loadBalancingConfig": [{"round_robin": {}}]}
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.service_config", json.dumps(service_config))]
 
 
 def build_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                  tracing: bool = True, tracer_provider=None) -> grpc.aio.Channel:
-    """An insecure aio channel to ``target`` (``host:port`` or ``dns:///name:port``).
+                  tracing: bool = True, tracer_provider=None,
+                  security: ClientSecurity | None = None) -> grpc.aio.Channel:
+    """An aio channel to ``target`` (``host:port`` or ``dns:///name:port``): TLS / mTLS and a bearer
+    token when ``security`` says so, plaintext otherwise.
 
     Round-robin load balancing spreads calls over every address a ``dns:///`` name resolves to
     (a Kubernetes headless service's replicas). Tracing injects W3C ``traceparent`` metadata.
     """
-    interceptors = aio_client_interceptors(tracer_provider=tracer_provider, filter_=_traced()) \
-        if tracing else None
-    return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes),
-                                     interceptors=interceptors)
+    security = security or ClientSecurity()
+    interceptors = list(security.interceptors())
+    if tracing:
+        interceptors += aio_client_interceptors(tracer_provider=tracer_provider, filter_=_traced())
+    options = channel_options(max_message_bytes) + security.options()
+    creds = security.credentials()
+    if creds is not None:
+        return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors or None)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors or None)
 
 
 class GrpcServer:
@@ -153,8 +206,14 @@ class GrpcServer:
     """
 
     def __init__(self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 tracing: bool = True, tracer_provider=None):
+                 tracing: bool = True, tracer_provider=None, security: ServerSecurity | None = None,
+                 reflection: bool = True):
+        self.security = security or ServerSecurity()
+        self.reflection = reflection
         interceptors: list[grpc.aio.ServerInterceptor] = []
+        auth = self.security.interceptor()
+        if auth is not None:  # outermost: an unauthenticated call reaches nothing else
+            interceptors.append(auth)
         if tracing:  # outermost, so its span records the status the error interceptor sets
             interceptors.append(aio_server_interceptor(tracer_provider=tracer_provider,
                                                        filter_=_traced()))
@@ -163,9 +222,13 @@ class GrpcServer:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second process on the same port fails loudly
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+            ("grpc.keepalive_permit_without_calls", 1),
         ])
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health_server: grpc.aio.Server | None = None  # --health-listen: plaintext, health only
+        self.health_port: int | None = None
         self.service_names: list[str] = []
         self.port: int | None = None
 
@@ -183,13 +246,25 @@ class GrpcServer:
     async def start(self, listen: str) -> int:
         """Bind ``listen`` (``host:port``; port 0 picks one), start, and return the bound port."""
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection(
-            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(listen)
+        if self.reflection:
+            reflection.enable_server_reflection(
+                (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        creds = self.security.credentials()
+        self.port = self.server.add_secure_port(listen, creds) if creds is not None \
+            else self.server.add_insecure_port(listen)
         if self.port == 0:
             raise errors.Unavailable(f"could not bind {listen}")
+        if self.security.health_listen:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(self.security.health_listen)
+            if self.health_port == 0:
+                raise errors.Unavailable(f"could not bind {self.security.health_listen}")
+            await self.health_server.start()
         await self.server.start()
-        log.info("listening on %s (port %d): %s", listen, self.port, ", ".join(self.service_names))
+        log.info("listening on %s (port %d, %s%s): %s", listen, self.port,
+                 "mTLS" if self.security.client_ca_file else "TLS" if creds else "plaintext",
+                 ", tokens" if self.security.tokens_file else "", ", ".join(self.service_names))
         return self.port
 
     async def set_serving(self) -> None:
@@ -204,8 +279,11 @@ class GrpcServer:
         new calls and give in-flight ones ``grace_s`` seconds before cancelling them."""
         await self.health.enter_graceful_shutdown()
         if drain_delay_s > 0:
+            log.info("NOT_SERVING; still accepting calls for %.1f s while load balancers notice", drain_delay_s)
             await asyncio.sleep(drain_delay_s)
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
     async def serve_until_signal(self, grace_s: float = 30.0, drain_delay_s: float = 0.0,
                                  signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -221,5 +299,5 @@ class GrpcServer:
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
-        log.info("shutting down: draining for up to %.1f s", grace_s)
+        log.info("shutting down: NOT_SERVING for %.1f s, then draining for up to %.1f s", drain_delay_s, grace_s)
         await self.stop(grace_s, drain_delay_s)

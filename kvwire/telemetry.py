@@ -102,11 +102,14 @@ def setup_tracing(default_service_name: str, env: Mapping[str, str] | None = Non
     return Telemetry(cfg, provider)
 
 
-def start_metrics_server(telemetry: Telemetry, port: int | None, addr: str = "0.0.0.0") -> int | None:
+def start_metrics_server(telemetry: Telemetry, port: int | None, addr: str = "127.0.0.1") -> int | None:
     """Serve Prometheus ``/metrics`` on ``addr:port`` (None = off; 0 = any free port).
 
-    Returns the bound port. Metrics themselves are module-level ``prometheus_client`` objects in
-    the services, named like vLLM's where one exists (e.g. ``vllm:num_requests_running``).
+    The services pass ``--metrics-host``, else their ``--listen`` host (``kvwire.security.metrics_host``):
+    /metrics is never more exposed than the service itself.
+
+    Returns the bound port. The metrics themselves are all defined in ``kvwire.metrics``, named
+    like vLLM's where one exists (``kvwire:num_requests_running`` for ``vllm:num_requests_running``).
     """
     if port is None:
         return None

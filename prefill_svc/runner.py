@@ -13,9 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from kvwire.errors import InvalidArgument, ResourceExhausted
+from kvwire.engine.chunked import PrefixPrefill
+from kvwire.engine.prefix_cache import PrefixCache, cache_salt
+from kvwire.errors import ResourceExhausted
 from kvwire.kv.pool import OutOfPages
-from kvwire.runtime import Engine
+from kvwire.runtime import Runtime
 
 
 class Aborted(Exception):
@@ -37,22 +39,15 @@ class _LayerHook:
 
 
 class PrefillRunner:
-    def __init__(self, engine: Engine, num_pages: int):
-        self.engine = engine
-        self.cache = engine.new_cache(num_pages)
+    def __init__(self, runtime: Runtime, num_pages: int, prefix_caching: bool = False):
+        self.runtime = runtime
+        self.cache = runtime.new_cache(num_pages)
+        self.salt = cache_salt(runtime.fingerprint, runtime.spec)
+        # Reused pages are read, never rewritten; not with a sliding window (pages are given back).
+        self.prefix = PrefixCache(self.cache.pool, runtime.spec.block_size, self.salt) \
+            if prefix_caching and self.cache.tables.window is None else None
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the page pool between the worker and the event loop
-
-    def validate(self, tokens: list[int]) -> None:
-        cfg = self.engine.model_config
-        if not tokens:
-            raise InvalidArgument("token_ids is empty: a prefill needs at least one prompt token")
-        if len(tokens) > cfg.max_position_embeddings:
-            raise InvalidArgument(f"the prompt has {len(tokens)} tokens; the model's context is "
-                                  f"{cfg.max_position_embeddings}")
-        bad = [t for t in tokens if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
 
     def new_sequence(self) -> int:
         return next(self._ids)
@@ -68,16 +63,23 @@ class PrefillRunner:
             raise Aborted()
         with self._lock:
             try:
-                positions = self.cache.prepare([seq], [len(tokens)])
+                start = 0
+                if self.prefix is not None:  # a cached prefix is attached, only the rest computed
+                    start = self.prefix.attach(self.cache.tables, seq, tokens) * self.runtime.spec.block_size
+                positions = self.cache.prepare([seq], [len(tokens) - start])
             except OutOfPages as e:
                 self.cache.reset(seq)
                 raise ResourceExhausted(f"prefill KV pool is full ({e}); retry later") from e
         try:
-            logits = self.engine.model(torch.tensor(tokens), positions, _LayerHook(self.cache, on_layer, abort),
-                                       logits_rows=torch.tensor([len(tokens) - 1]))
+            kv = PrefixPrefill(self.cache, seq, start, len(tokens) - start) if start else self.cache
+            logits = self.runtime.model(torch.tensor(tokens[start:]), positions, _LayerHook(kv, on_layer, abort),
+                                        logits_rows=torch.tensor([len(tokens) - start - 1]))
         except BaseException:
             self.release(seq)
             raise
+        if self.prefix is not None:
+            with self._lock:
+                self.prefix.remember(self.cache.tables, seq, tokens)
         return logits[0]
 
     def warm_up(self) -> None:
@@ -86,10 +88,10 @@ class PrefillRunner:
         self.forward(seq, [0] * 8, lambda layer: None, threading.Event())
         self.release(seq)
 
-    def layer_pages(self, seq: int, layer: int):
-        """(k, v, k_scale, v_scale) of one sequence and layer, in page order (copies)."""
+    def layer_pages(self, seq: int, layer: int, first_page: int = 0):
+        """(k, v, k_scale, v_scale) of one sequence and layer, pages first_page.. in order (copies)."""
         with self._lock:
-            idx = torch.tensor(self.cache.page_ids(seq))
+            idx = torch.tensor(self.cache.page_ids(seq)[first_page:])
         k, v, ks, vs = self.cache.layer_tensors(layer)
         pick = lambda t: t.view(torch.uint8)[idx].view(t.dtype)  # noqa: E731  (uint8 views: plain byte copies)
         return pick(k), pick(v), None if ks is None else ks[idx], None if vs is None else vs[idx]
@@ -100,4 +102,4 @@ class PrefillRunner:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return self.cache.stats()
+            return {**self.cache.stats(), "cached_pages": len(self.prefix) if self.prefix is not None else 0}

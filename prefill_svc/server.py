@@ -8,18 +8,21 @@ back to the pool (the forward is told to stop at its next layer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry import trace
 
-from kvwire.errors import FailedPrecondition
+from kvwire.engine.prefix_cache import page_hashes, reusable_pages
+from kvwire.errors import FailedPrecondition, InvalidRequest
 from kvwire.kv.wire import encode_layer
 from kvwire.sampler import sample
+from kvwire.validation import RequestLimits, validate_request
 from prefill_svc.runner import PrefillRunner
 from protos import convert as conv
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc
 
 tracer = trace.get_tracer("kvwire.prefill_svc")
 _DONE = -1
@@ -28,29 +31,41 @@ _DONE = -1
 class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
     def __init__(self, runner: PrefillRunner):
         self.runner = runner
-        self.engine = runner.engine
+        self.runtime = runner.runtime
+        cfg = runner.runtime.model_config
+        self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
 
     def _check_expectations(self, request: pb.PrefillRequest) -> None:
         diffs = []
         if request.HasField("expected_spec"):
-            diffs += conv.spec_from_pb(request.expected_spec).diff(self.engine.spec)
+            diffs += conv.spec_from_pb(request.expected_spec).diff(self.runtime.spec)
         if request.HasField("expected_fingerprint"):
-            diffs += conv.fingerprint_from_pb(request.expected_fingerprint).diff(self.engine.fingerprint)
+            diffs += conv.fingerprint_from_pb(request.expected_fingerprint).diff(self.runtime.fingerprint)
         if diffs:
             raise FailedPrecondition("prefill and decode run different models or KV layouts "
                                      "(decode's value != prefill's): " + "; ".join(diffs))
 
+    def _check_cached_prefix(self, request: pb.PrefillRequest, tokens: list[int]) -> int:
+        """The pages decode says it holds: at most the reusable ones, named as this replica names them."""
+        n, bs = request.cached_pages, self.runtime.spec.block_size
+        if n > reusable_pages(len(tokens), bs):
+            raise InvalidRequest(f"cached_pages {n} exceeds the {reusable_pages(len(tokens), bs)} full pages "
+                                 f"before the prompt's last token ({len(tokens)} tokens, {bs} a page)")
+        if n and page_hashes(tokens[:n * bs], bs, self.runner.salt)[-1] != request.cached_prefix_hash:
+            raise FailedPrecondition("cached_prefix_hash does not name these tokens' first cached_pages pages "
+                                     "under this model and page layout; send cached_pages=0")
+        return n
     async def Prefill(self, request: pb.PrefillRequest, context):
         tokens = list(request.token_ids)
-        self.runner.validate(tokens)
         params = conv.sampling_from_pb(request.sampling)
-        params.validate()
+        validate_request(tokens, params, self.limits, what="token_ids", new_tokens=0)  # KV of the prompt only
         self._check_expectations(request)
-        spec = self.engine.spec
+        skip = self._check_cached_prefix(request, tokens)  # pages decode holds: not sent
+        spec = self.runtime.spec
         yield pb.PrefillResponse(header=pb.PrefillHeader(
-            spec=conv.spec_to_pb(spec), fingerprint=conv.fingerprint_to_pb(self.engine.fingerprint),
-            num_tokens=len(tokens), num_pages=spec.pages_for(len(tokens))))
+            spec=conv.spec_to_pb(spec), fingerprint=conv.fingerprint_to_pb(self.runtime.fingerprint),
+            num_tokens=len(tokens), num_pages=spec.pages_for(len(tokens)), first_page=skip))
 
         loop = asyncio.get_running_loop()
         layers: asyncio.Queue[int] = asyncio.Queue()
@@ -64,7 +79,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
         fut.add_done_callback(lambda _: loop.call_soon_threadsafe(layers.put_nowait, _DONE))
         with tracer.start_as_current_span("prefill.forward") as span:
             span.set_attributes({"gen_ai.usage.input_tokens": len(tokens), "kvwire.request_id": request.request_id,
-                                 "kvwire.quantization": self.engine.fingerprint.quantization,
+                                 "kvwire.quantization": self.runtime.fingerprint.quantization,
                                  "kvwire.kv_dtype": spec.dtype.value})
             try:
                 sent_bytes = 0
@@ -72,12 +87,14 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
                     layer = await layers.get()
                     if layer == _DONE:
                         break  # the forward failed before this layer; fut carries the error
-                    for chunk in encode_layer(spec, layer, *self.runner.layer_pages(seq, layer)):
+                    for chunk in encode_layer(spec, layer, *self.runner.layer_pages(seq, layer, skip)):
+                        chunk = dataclasses.replace(chunk, first_page=chunk.first_page + skip)
                         sent_bytes += chunk.nbytes
                         yield pb.PrefillResponse(chunk=conv.chunk_to_pb(chunk))
                 logits = await fut
                 first = sample(logits, params, step=0)
-                span.set_attributes({"kvwire.kv.bytes_sent": sent_bytes, "kvwire.first_token": first})
+                span.set_attributes({"kvwire.kv.bytes_sent": sent_bytes, "kvwire.first_token": first,
+                                     "kvwire.kv.pages_skipped": skip})
                 yield pb.PrefillResponse(done=pb.PrefillDone(first_token=first, prompt_tokens=len(tokens)))
             finally:
                 abort.set()

@@ -1,13 +1,15 @@
-"""Generating the Python stubs for ``protos/*.proto`` (CLI: ``python -m protos.generate``).
+"""Generating the Python stubs for the ``.proto`` files under ``protos/`` (CLI: ``python -m protos.generate``).
 
 Equivalent to running, from the repository root::
 
-    python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/kvwire.proto
+    python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/kvwire/v1/kvwire.proto
 
-so the stubs import as ``from protos import kvwire_pb2, kvwire_pb2_grpc``. The stubs are
-git-ignored; ``import protos`` regenerates them when they are missing or older than their .proto.
-Files are written to a temporary directory and moved into place, so two processes generating at
-once never see a half-written module.
+so the stubs import as ``from protos.kvwire.v1 import kvwire_pb2, kvwire_pb2_grpc``. The include
+root is the repository root (not ``protos/``) so the generated modules live under ``protos.`` and
+never shadow the ``kvwire`` library package. The stubs are git-ignored; ``import protos``
+regenerates them when they are missing or older than their .proto. Files are written to a
+temporary directory and moved into place, so two processes generating at once never see a
+half-written module.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_DIR.parent
-PROTOS = ("kvwire",)
+# Paths relative to PROTO_DIR, without ".proto".
+PROTOS = ("kvwire/v1/kvwire",)
 _SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
@@ -46,7 +49,7 @@ def generate(names: tuple[str, ...] = PROTOS) -> None:
             if protoc.main(args) != 0:
                 raise RuntimeError(f"protoc failed for protos/{name}.proto (see its output above)")
             for out in _outputs(name):
-                os.replace(Path(tmp) / "protos" / out.name, out)
+                os.replace(Path(tmp) / "protos" / out.relative_to(PROTO_DIR), out)
 
 
 def ensure_generated() -> None:

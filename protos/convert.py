@@ -1,19 +1,56 @@
 """The one mapping between wire messages and kvwire's typed objects (used only at the wire edge)."""
 from __future__ import annotations
 
-from kvwire.config import KVDtype
+from kvwire.config import KVDtype, QuantMode
 from kvwire.fingerprint import Fingerprint
-from kvwire.kv.spec import KVPageSpec, ScaleGranularity
-from kvwire.sampling import SamplingParams
-from protos import kvwire_pb2 as pb
+from kvwire.kv.spec import KVPageSpec, ScaleDtype, ScaleGranularity
+from kvwire.errors import FailedPrecondition, InvalidRequest
+from kvwire.sampling_params import FinishReason, KVSourceChoice, SamplingParams, SpeculativeMode
+from protos.kvwire.v1 import kvwire_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 128
 
-_KV_DTYPE = {KVDtype.FP8_E4M3: pb.KVPageSpec.FP8_E4M3, KVDtype.BF16: pb.KVPageSpec.BF16}
+_KV_DTYPE = {KVDtype.FP8_E4M3: pb.KVPageSpec.KV_DTYPE_FP8_E4M3, KVDtype.BF16: pb.KVPageSpec.KV_DTYPE_BF16}
 _KV_DTYPE_BACK = {v: k for k, v in _KV_DTYPE.items()}
-_SPEC_MODE = {None: pb.SamplingParams.SPECULATIVE_MODE_UNSPECIFIED, "none": pb.SamplingParams.NONE,
-              "draft": pb.SamplingParams.DRAFT, "ngram": pb.SamplingParams.NGRAM}
+_SCALE_GRAN = {ScaleGranularity.PER_PAGE_HEAD: pb.KVPageSpec.SCALE_GRANULARITY_PER_PAGE_HEAD,
+               ScaleGranularity.PER_TOKEN_HEAD: pb.KVPageSpec.SCALE_GRANULARITY_PER_TOKEN_HEAD}
+_SCALE_GRAN_BACK = {v: k for k, v in _SCALE_GRAN.items()}
+_SCALE_DTYPE = {ScaleDtype.FLOAT32: pb.KVPageSpec.SCALE_DTYPE_FLOAT32, ScaleDtype.BF16: pb.KVPageSpec.SCALE_DTYPE_BF16}
+_SCALE_DTYPE_BACK = {v: k for k, v in _SCALE_DTYPE.items()}
+_SPEC_MODE = {None: pb.SamplingParams.SPECULATIVE_MODE_UNSPECIFIED,
+              SpeculativeMode.NONE: pb.SamplingParams.SPECULATIVE_MODE_NONE,
+              SpeculativeMode.DRAFT: pb.SamplingParams.SPECULATIVE_MODE_DRAFT,
+              SpeculativeMode.NGRAM: pb.SamplingParams.SPECULATIVE_MODE_NGRAM}
 _SPEC_MODE_BACK = {v: k for k, v in _SPEC_MODE.items()}
+_WEIGHTS_MODE = {QuantMode.NONE: pb.WEIGHTS_MODE_NONE, QuantMode.BF16: pb.WEIGHTS_MODE_BF16,
+                 QuantMode.INT8: pb.WEIGHTS_MODE_INT8, QuantMode.FP8: pb.WEIGHTS_MODE_FP8}
+_WEIGHTS_MODE_BACK = {v: k.value for k, v in _WEIGHTS_MODE.items()}
+_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
+           FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+_FINISH_BACK = {v: k for k, v in _FINISH.items()}
+
+
+_KV_SOURCE = {KVSourceChoice.AUTO: pb.KV_SOURCE_UNSPECIFIED, KVSourceChoice.LOCAL: pb.KV_SOURCE_LOCAL,
+              KVSourceChoice.REMOTE: pb.KV_SOURCE_REMOTE}
+_KV_SOURCE_BACK = {v: k for k, v in _KV_SOURCE.items()}
+
+
+def kv_source_to_pb(choice: KVSourceChoice) -> int:
+    return _KV_SOURCE[choice]
+
+
+def kv_source_from_pb(value: int) -> KVSourceChoice:
+    if value not in _KV_SOURCE_BACK:
+        raise InvalidRequest(f"kv_source {value} is not a KVSource value this service knows")
+    return _KV_SOURCE_BACK[value]
+
+
+def finish_to_pb(reason: FinishReason | None) -> int:
+    return _FINISH[reason]
+
+
+def finish_from_pb(value: int) -> FinishReason | None:
+    return _FINISH_BACK[value]
 
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
@@ -43,28 +80,40 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
 def spec_to_pb(s: KVPageSpec) -> pb.KVPageSpec:
     return pb.KVPageSpec(block_size=s.block_size, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
                          head_dim=s.head_dim, dtype=_KV_DTYPE[s.dtype],
-                         scale_granularity=pb.KVPageSpec.PER_PAGE_HEAD)
+                         scale_granularity=_SCALE_GRAN[s.scale_granularity],
+                         scale_dtype=_SCALE_DTYPE[s.scale_dtype], format_version=s.format_version)
 
 
 def spec_from_pb(m: pb.KVPageSpec) -> KVPageSpec:
+    """A peer's page layout; one this build cannot hold is FAILED_PRECONDITION (not a bug here)."""
     if m.dtype not in _KV_DTYPE_BACK:
-        raise ValueError(f"KV page dtype {m.dtype} is not supported")
-    return KVPageSpec(block_size=m.block_size, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
-                      head_dim=m.head_dim, dtype=_KV_DTYPE_BACK[m.dtype],
-                      scale_granularity=ScaleGranularity.PER_PAGE_HEAD)
+        raise FailedPrecondition(f"KV page dtype {m.dtype} is not supported "
+                                 f"(supported: {', '.join(d.value for d in _KV_DTYPE)})")
+    try:
+        return KVPageSpec(block_size=m.block_size, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                          head_dim=m.head_dim, dtype=_KV_DTYPE_BACK[m.dtype],
+                          # Unset fields are a format 1 peer's: they make the spec diff say so.
+                          scale_granularity=_SCALE_GRAN_BACK.get(m.scale_granularity, ScaleGranularity.PER_PAGE_HEAD),
+                          scale_dtype=_SCALE_DTYPE_BACK.get(m.scale_dtype, ScaleDtype.FLOAT32),
+                          format_version=m.format_version or 1)
+    except ValueError as e:  # a zero size
+        raise FailedPrecondition(f"KV page spec refused: {e}") from e
 
 
 def fingerprint_to_pb(f: Fingerprint) -> pb.ModelFingerprint:
     return pb.ModelFingerprint(model_name=f.model_name, architecture=f.architecture,
                                model_config_sha256=f.model_config_sha256, weights_sha256=f.weights_sha256,
-                               tokenizer_sha256=f.tokenizer_sha256, quantization=f.quantization,
+                               tokenizer_sha256=f.tokenizer_sha256,
+                               weights_mode=_WEIGHTS_MODE[QuantMode(f.quantization)],
                                weights_dtype=f.weights_dtype)
 
 
 def fingerprint_from_pb(m: pb.ModelFingerprint) -> Fingerprint:
     return Fingerprint(model_name=m.model_name, architecture=m.architecture,
                        model_config_sha256=m.model_config_sha256, weights_sha256=m.weights_sha256,
-                       tokenizer_sha256=m.tokenizer_sha256, quantization=m.quantization,
+                       tokenizer_sha256=m.tokenizer_sha256,
+                       # An unknown mode stays visible by name so the fingerprint diff shows it.
+                       quantization=_WEIGHTS_MODE_BACK.get(m.weights_mode, f"weights mode {m.weights_mode}"),
                        weights_dtype=m.weights_dtype)
 
 

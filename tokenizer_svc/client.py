@@ -1,6 +1,6 @@
 """``python -m tokenizer_svc.client "The for statement"``: stream a completion to the terminal.
 
-A plain gRPC client of the front door (kvwire.v1.TokenizerService/Generate): text deltas are
+A plain gRPC client of the front door (kvwire.v1.TokenizerService/GenerateText): text deltas are
 printed as they arrive; the finish reason, token counts, time to first token and decode speed
 go to stderr at the end.
 """
@@ -14,15 +14,16 @@ import time
 import grpc
 
 from kvwire.serving import build_channel
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pb_grpc
+from protos import convert as conv
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 
 
 async def stream(addr: str, request: pb.GenerateTextRequest, out=sys.stdout) -> pb.GenerateTextResponse:
     async with build_channel(addr, tracing=False) as channel:
         stub = pb_grpc.TokenizerServiceStub(channel)
         start, first_at, last, n = time.perf_counter(), None, None, 0
-        async for msg in stub.Generate(request):
+        async for msg in stub.GenerateText(request):
             if msg.text:
                 first_at = first_at or time.perf_counter()
                 out.write(msg.text)
@@ -30,7 +31,7 @@ async def stream(addr: str, request: pb.GenerateTextRequest, out=sys.stdout) -> 
             n += len(msg.token_ids)
             last = msg
         end = time.perf_counter()
-    reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+    reason = conv.finish_from_pb(last.finish_reason).value
     ttft = (first_at or end) - start
     speed = (n - 1) / (end - first_at) if first_at and n > 1 and end > first_at else 0.0
     print(f"\n[finish: {reason}; {last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} "
@@ -43,7 +44,7 @@ def build_request(args: argparse.Namespace) -> pb.GenerateTextRequest:
                                  top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed
-    req = pb.GenerateTextRequest(sampling=sampling, stop=args.stop or [])
+    req = pb.GenerateTextRequest(sampling=sampling, stops=args.stop or [])
     if args.chat:
         req.chat.messages.add(role="user", content=args.prompt)
     else:

@@ -1,31 +1,50 @@
 """TokenizerService: the thin async front door (text in, text out).
 
-Tokenizes (chat template included), validates, calls ``DecodeService.Generate`` and streams text
+Tokenizes (chat template included), validates, calls ``DecodeService.GenerateTokens`` and streams text
 deltas back as tokens arrive. Stop strings are a text-level notion, so they are handled here: text
 that might begin a stop string is held back, and on a match the text is cut before it and the
 decode call is cancelled. Errors are raised as ``kvwire.errors`` and mapped by ``kvwire.serving``.
+
+The front door is bounded: a prompt over ``max_prompt_bytes`` is refused before any tokenizing;
+tokenizing runs on a small thread pool (at most ``tokenize_workers`` at once, the rest wait), never
+on the event loop, so health checks and short requests are not held up by a large prompt; a prompt
+over ``max_prompt_tokens`` is refused after. The request id decode sees is this door's own (the
+client's id plus a random suffix), so one caller can neither collide with nor probe another's.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Sequence
 
 import jinja2
 from opentelemetry import trace
 
-from kvwire import errors
+from kvwire import errors, metrics
+from kvwire.security import ClientSecurity, ServerSecurity
 from kvwire.serving import DEFAULT_MAX_MESSAGE_BYTES
+from kvwire.sampling_params import FinishReason
 from kvwire.tokenizer import ChatMessage, ModelTokenizer
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pb_grpc
+from kvwire.validation import RequestLimits, check_token_ids, validate_request
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from protos import convert as conv
 from tokenizer_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of UTF-8: far above any supported context, far below the message limit
+DEFAULT_MAX_PROMPT_TOKENS = 131_072
+DEFAULT_TOKENIZE_WORKERS = 2
+# The front door's gRPC message limit: a larger request is refused by gRPC itself (RESOURCE_EXHAUSTED,
+# "message larger than max") before Python parses it, so a flood of huge requests cannot hold the GIL.
+DEFAULT_FRONT_DOOR_MESSAGE_BYTES = 2 << 20
+_PROMPT_FIELD = {pb.GenerateTextRequest: "prompt", pb.TokenizeRequest: "input"}
 
 tracer = trace.get_tracer("kvwire.tokenizer_svc")
 
@@ -36,61 +55,120 @@ class TokenizerServiceConfig:
     listen: str = "127.0.0.1:50051"
     decode_addr: str = "127.0.0.1:50052"
     model_name: str = ""  # reported as gen_ai.request.model; defaults to the model dir's name
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = DEFAULT_FRONT_DOOR_MESSAGE_BYTES
     grace_s: float = 30.0
     drain_delay_s: float = 0.0
     metrics_port: int | None = None
+    metrics_host: str | None = None  # None: --listen's host
+    http_listen: str | None = None  # host:port of the OpenAI-compatible HTTP door; off if None
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS
+    reflection: bool = True
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    decode_security: ClientSecurity = field(default_factory=ClientSecurity)
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    max_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    workers: int = DEFAULT_TOKENIZE_WORKERS
 
 
 def validate_stops(stops: Sequence[str]) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
-        raise errors.InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        raise errors.InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
     for i, s in enumerate(stops):
         if not s:
-            raise errors.InvalidArgument(f"stop[{i}] is empty; remove it or give it text")
+            raise errors.InvalidRequest(f"stops[{i}] is empty; remove it or give it text")
         if len(s) > MAX_STOP_CHARS:
-            raise errors.InvalidArgument(
-                f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
+            raise errors.InvalidRequest(
+                f"stops[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
     return tuple(stops)
 
 
+def prompt_bytes(kind: str | None, text: str, chat: pb.ChatMessages) -> int:
+    if kind == "chat":
+        return sum(len(m.role.encode()) + len(m.content.encode()) for m in chat.messages)
+    return len(text.encode())
+
+
 class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
-    def __init__(self, tokenizer: ModelTokenizer, decode: pb_grpc.DecodeServiceStub, model_name: str):
+    def __init__(self, tokenizer: ModelTokenizer, decode: pb_grpc.DecodeServiceStub, model_name: str,
+                 limits: PromptLimits = PromptLimits()):
         self.tok = tokenizer
         self.decode = decode
         self.model_name = model_name
+        self.limits = limits
         self._detok_decode = partial(tokenizer.decode, skip_special_tokens=True)
+        self._pool = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="tokenize")
+        self._slots: asyncio.Semaphore | None = None  # made in the serving loop, on first use
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- helpers ------------------------------------------------------------------------------
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        bad = next((i for i in ids if i >= self.tok.vocab_size), None)
-        if bad is not None:
-            raise errors.InvalidArgument(
-                f"{what} contains token id {bad}, outside the vocabulary (size {self.tok.vocab_size})")
+        check_token_ids(ids, self.tok.vocab_size, what)
 
     def _encode_chat(self, chat: pb.ChatMessages) -> list[int]:
         if not chat.messages:
-            raise errors.InvalidArgument("chat has no messages; add at least one {role, content}")
+            raise errors.InvalidRequest("chat has no messages; add at least one {role, content}")
         if not self.tok.chat_template:
             raise errors.FailedPrecondition("this model has no chat template; send a text prompt")
         try:
-            return self.tok.encode_chat([ChatMessage(m.role, m.content) for m in chat.messages])
+            text = self.tok.apply_chat_template([ChatMessage(m.role, m.content) for m in chat.messages])
         except jinja2.TemplateError as e:
-            raise errors.InvalidArgument(f"the chat template rejected the messages: {e}") from e
+            raise errors.InvalidRequest(f"the chat template rejected the messages: {e}") from e
+        return self._encode_text(text, add_special=False)  # the template places the special tokens
 
-    def _encode(self, kind: str | None, text: str, chat: pb.ChatMessages, add_special: bool) -> list[int]:
+    def _encode_text(self, text: str, add_special: bool) -> list[int]:
+        # encode_batch, not encode: the Rust tokenizer releases the GIL only there, so the event
+        # loop (health, other requests) keeps running while a long prompt is tokenized. The token
+        # cap is checked on the Rust encoding, before its ids become a (GIL-bound) Python list.
+        [encoding] = self.tok.tok.encode_batch([text], add_special_tokens=add_special)
+        if len(encoding) > self.limits.max_tokens:
+            raise errors.InvalidRequest(f"the prompt is {len(encoding)} tokens; at most {self.limits.max_tokens} "
+                                        "are accepted (--max-prompt-tokens)")
+        return encoding.ids
+
+    def _encode_sync(self, kind: str | None, text: str, chat: pb.ChatMessages, add_special: bool) -> list[int]:
         if kind == "chat":
             return self._encode_chat(chat)
         if not text:
-            raise errors.InvalidArgument("the prompt is empty: set text (non-empty) or chat")
-        return self.tok.encode(text, add_special_tokens=add_special)
+            raise errors.InvalidRequest("the prompt is empty: set text (non-empty) or chat")
+        return self._encode_text(text, add_special)
+
+    def _check_size(self, request) -> None:
+        """Refuse an oversized text prompt from its length in characters (each is >= 1 byte),
+        before it is encoded to count bytes; chat is measured in ``_encode``."""
+        if request.WhichOneof(_PROMPT_FIELD[type(request)]) != "text":
+            return
+        if (n := len(request.text)) > self.limits.max_bytes:
+            raise errors.InvalidRequest(f"the prompt is at least {n} bytes; at most {self.limits.max_bytes} are "
+                                        "accepted (--max-prompt-bytes)")
+
+    async def _encode(self, kind: str | None, text: str, chat: pb.ChatMessages, add_special: bool) -> list[int]:
+        """Size-checked, then tokenized on the bounded pool (never on the event loop)."""
+        size = prompt_bytes(kind, text, chat)
+        if size > self.limits.max_bytes:
+            raise errors.InvalidRequest(f"the prompt is {size} bytes; at most {self.limits.max_bytes} are "
+                                        "accepted (--max-prompt-bytes)")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.limits.workers)
+        async with self._slots:  # waiting here costs a coroutine, not a thread or the loop
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._encode_sync, kind, text, chat, add_special)
+        return ids
 
     # -- RPCs ---------------------------------------------------------------------------------
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        self._check_size(request)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = self._encode(request.WhichOneof("input"), request.text, request.chat, add_special)
+        ids = await self._encode(request.WhichOneof("input"), request.text, request.chat, add_special)
         return pb.TokenizeResponse(token_ids=ids, tokens=[self.tok.tok.id_to_token(i) for i in ids])
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
@@ -98,12 +176,22 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return pb.DetokenizeResponse(text=self.tok.decode(list(request.token_ids), skip_special_tokens=skip))
 
-    async def Generate(self, request: pb.GenerateTextRequest, context):
-        request_id = request.request_id or uuid.uuid4().hex
+    async def GenerateText(self, request: pb.GenerateTextRequest, context):
+        async with contextlib.aclosing(self.generate_text(request, context.time_remaining())) as responses:
+            async for response in responses:
+                yield response
+
+    async def generate_text(self, request: pb.GenerateTextRequest, timeout: float | None):
+        """The text pipeline without the transport (gRPC above; the OpenAI HTTP door in
+        openai_http.py): yields GenerateTextResponse messages; closing it cancels the decode call."""
+        self._check_size(request)
+        # Decode sees this door's id, never the caller's alone: ids cannot collide across callers.
+        request_id = f"{request.request_id}.{uuid.uuid4().hex[:16]}" if request.request_id else uuid.uuid4().hex
+        timer = metrics.RequestTimer(self.model_name)  # TTFT / ITL / e2e as the client sees them
         params = conv.sampling_from_pb(request.sampling)  # unset message -> all defaults
-        params.validate()
-        self._check_ids(params.stop_token_ids, "sampling.stop_token_ids")
-        stops = validate_stops(request.stop)
+        params.validate()  # before tokenizing: a bad request costs nothing
+        stops = validate_stops(request.stops)
+        kv_source = conv.kv_source_from_pb(request.kv_source)
         kind = request.WhichOneof("prompt")
         span = trace.get_current_span()
         span.set_attributes({
@@ -118,17 +206,18 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         if stops:
             span.set_attribute("gen_ai.request.stop_sequences", list(stops))
         with tracer.start_as_current_span("tokenize") as tok_span:
-            prompt_ids = self._encode(kind, request.text, request.chat, add_special=True)
+            prompt_ids = await self._encode(kind, request.text, request.chat, add_special=True)
             tok_span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
-        if not prompt_ids:
-            raise errors.InvalidArgument("the prompt tokenizes to no tokens; send some text")
+        # The shared rule (decode applies it too, with the model's context limit).
+        validate_request(prompt_ids, params, RequestLimits(vocab_size=self.tok.vocab_size), what="the prompt")
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+        timer.prompt(len(prompt_ids))
 
         # Created outside the detokenize span so the decode call's span is a sibling of it.
-        call = self.decode.Generate(
+        call = self.decode.GenerateTokens(
             pb.GenerateTokensRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                     sampling=conv.sampling_to_pb(params)),
-            timeout=context.time_remaining())
+                                     sampling=conv.sampling_to_pb(params), kv_source=conv.kv_source_to_pb(kv_source)),
+            timeout=timeout)
         detok = IncrementalDetokenizer(self._detok_decode, context_ids=prompt_ids)
         matcher = StopStringMatcher(stops)
         completion, done = 0, False
@@ -137,11 +226,13 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                 async for msg in call:
                     ids = list(msg.token_ids)
                     completion += len(ids)
+                    timer.tokens(len(ids))
                     finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                     text = detok.add(ids) + (detok.flush() if finished else "")
                     safe, matched = matcher.feed(text)
                     if matched is not None:
                         call.cancel()  # the rest of the generation is not wanted
+                        timer.finish(FinishReason.STOP.value)
                         yield self._last(span, safe, ids, pb.FINISH_REASON_STOP,
                                          pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion),
                                          matched)
@@ -149,6 +240,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                     if finished:
                         usage = msg.usage if msg.HasField("usage") else pb.Usage(
                             prompt_tokens=len(prompt_ids), completion_tokens=completion)
+                        timer.finish(conv.finish_from_pb(msg.finish_reason).value)
                         yield self._last(span, safe + matcher.flush(), ids, msg.finish_reason, usage)
                         done = True
                         continue  # read on to the stream's end, so the call (and its span) completes
@@ -164,8 +256,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
               stop_string: str = "") -> pb.GenerateTextResponse:
         span.set_attributes({
             "gen_ai.usage.output_tokens": usage.completion_tokens,
-            "gen_ai.response.finish_reasons": [pb.FinishReason.Name(reason).removeprefix(
-                "FINISH_REASON_").lower()],
+            "gen_ai.response.finish_reasons": [conv.finish_from_pb(reason).value],
         })
         return pb.GenerateTextResponse(text=text, token_ids=ids, finish_reason=reason, usage=usage,
                                        stop_string=stop_string)

@@ -84,8 +84,7 @@ class Stack:
         for name in names:
             out = open(self.log_dir / f"{name}.log", "wb") if self.log_dir else subprocess.DEVNULL
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", name, *self._flags(name)], cwd=REPO,
-                env={**env, "OTEL_SERVICE_NAME": "kvwire-" + name.removesuffix("_svc")},
+                [sys.executable, "-m", name, *self._flags(name)], cwd=REPO, env=env,
                 stdout=out, stderr=subprocess.STDOUT)
         try:
             for name in names:

@@ -3,19 +3,23 @@
 Same calling pattern as ``DenseKVCache``: ``prepare(seq_ids, num_new)`` before each forward step,
 then the model calls ``attend`` once per layer. Page tensors keep ``KVPageSpec``'s layout exactly,
 per layer ``k: [num_pages, num_kv_heads, block_size, head_dim]`` and ``k_scale: [num_pages,
-num_kv_heads]`` float32 (v alike), so the wire codec copies page bytes in and out unchanged.
+num_kv_heads, block_size]`` bfloat16 (v alike), so the wire codec copies page bytes unchanged.
 
-Per sequence, a step's attention is one of:
+Pages are append-only (format 2): each (token, kv-head) has its own scale, so writing a token
+never changes a byte already in the cache. Hence, per sequence, a step's attention is one of:
   - fresh prompt (new tokens start at position 0): plain causal attention over this step's
     full-precision K/V (exactly what DenseKVCache computes); the K/V are also written to pages;
-  - one-token decode: write, then ``paged_decode_attention`` over the pages, batched over all
-    decode sequences of the step in one call;
-  - several tokens after existing context (chunked scoring, e.g. bench/accuracy.py): write,
-    dequantize that sequence's visible pages, masked sdpa (decode_svc verifies speculative
-    tokens one round at a time through the decode kernel instead, see decode_svc/runner.py);
-Rejected speculative tokens are dropped with ``truncate``; a kept page's scale may stay larger
-than its remaining entries need (scales only grow), which costs a little precision, never
-correctness.
+  - any number of tokens after existing context (a decode step: 1; a speculative verification:
+    k+1): all are written first, then every one of them attends over the pages up to its own
+    position, all sequences of the step in ONE ``paged_decode_attention`` call with one row per
+    query. Each query sees exactly the bytes a one-token-at-a-time decode would have written and
+    goes through the same kernel, so verifying k+1 tokens gives plain decoding's logits in one
+    call, and rejecting some of them afterwards is ``truncate``;
+  - more than ``MAX_PAGED_QUERIES`` tokens after context (chunked scoring of long text): the
+    sequence's visible pages are dequantized once and attended with masked sdpa instead.
+``truncate`` also zeroes the dropped slots of the last kept page, and new pages are zeroed when
+allocated, so a page's bytes depend on its sequence's tokens alone: truncating and writing again
+gives the bytes of writing once (and wire checksums are reproducible).
 """
 from __future__ import annotations
 
@@ -26,10 +30,14 @@ import torch
 from kvwire.config import KVDtype, ModelConfig
 from kvwire.kv.dense import attention_mask, sdpa_gqa
 from kvwire.kv.pool import RELEASED, BlockTables, OutOfPages, PagePool
-from kvwire.kv.spec import KVPageSpec
+from kvwire.kv.spec import FORMAT_VERSION, KVPageSpec
 from kernels import dispatch
+from kernels.reference import SCALE_DTYPE
 
 TORCH_KV_DTYPES = {KVDtype.FP8_E4M3: torch.float8_e4m3fn, KVDtype.BF16: torch.bfloat16}
+# Above this many new tokens after context, one sequence's queries attend through dequantize +
+# sdpa: the one-row-per-query kernel call would gather its pages once per query.
+MAX_PAGED_QUERIES = 64
 
 
 class PagedKVCache:
@@ -39,14 +47,19 @@ class PagedKVCache:
                 cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
             raise ValueError(f"KVPageSpec {spec.to_dict()} does not fit the model "
                              f"({cfg.num_layers} layers, {cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim})")
+        if not spec.supported:
+            raise ValueError(f"KV page format {spec.to_dict()} is not supported by this build "
+                             f"(it holds format {FORMAT_VERSION} pages only)")
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, spec.block_size, cfg.head_dim)
         # One allocation per kind; [layer] views are contiguous and already in wire layout.
         self.k = torch.zeros(shape, dtype=TORCH_KV_DTYPES[spec.dtype], device=self.device)
         self.v = torch.zeros_like(self.k)
-        scale_shape = (cfg.num_layers, num_pages, cfg.num_kv_heads)
-        self.k_scale = torch.zeros(scale_shape, device=self.device) if spec.has_scales else None
-        self.v_scale = torch.zeros(scale_shape, device=self.device) if spec.has_scales else None
+        scale_shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, spec.block_size)
+        self.k_scale = self.v_scale = None
+        if spec.has_scales:
+            self.k_scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=self.device)
+            self.v_scale = torch.zeros_like(self.k_scale)
         windows = cfg.layer_windows or (None,)
         # Pages can go back only when no layer needs them: every layer must have a window.
         window = None if any(w is None for w in windows) else max(windows)
@@ -69,7 +82,15 @@ class PagedKVCache:
             self.tables.free(seq_id)
 
     def truncate(self, seq_id: int, length: int) -> None:
-        self.tables.truncate(seq_id, length)
+        """Keep the first ``length`` tokens (rejected speculative tokens go). Exact: nothing kept
+        changes, and the dropped slots of the last kept page are zeroed, so the cache holds the
+        bytes it would hold had the dropped tokens never been written."""
+        self.tables.truncate(seq_id, length)  # validates first
+        offset = length % self.spec.block_size
+        if offset:
+            page = self.tables.table(seq_id)[length // self.spec.block_size]
+            for t in self._tensors():
+                t[:, page, :, offset:] = 0
 
     def length(self, seq_id: int) -> int:
         return self.tables.length(seq_id)
@@ -81,7 +102,7 @@ class PagedKVCache:
 
     def layer_tensors(self, layer: int):
         """(k, v, k_scale, v_scale) of one layer: pages [num_pages, Hkv, B, D], scales [num_pages,
-        Hkv] float32 or None for bf16. Views into the cache: writes through them are seen."""
+        Hkv, B] bfloat16 or None for bf16 pages. Views into the cache: writes through them are seen."""
         ks = None if self.k_scale is None else self.k_scale[layer]
         vs = None if self.v_scale is None else self.v_scale[layer]
         return self.k[layer], self.v[layer], ks, vs
@@ -96,18 +117,27 @@ class PagedKVCache:
 
     def extend(self, seq_id: int, num_tokens: int) -> list[int]:
         """Grow a sequence by ``num_tokens`` without computing anything (for K/V that arrives
-        over the wire): returns the new pages, scales zeroed, for the caller to fill."""
+        over the wire): returns the new pages, zeroed, for the caller to fill."""
         if seq_id not in self.tables:
             self.tables.add(seq_id)
         new = self.tables.append([(seq_id, num_tokens)])
-        self._zero_scales(new)
+        self._zero_pages(new)
         return new
 
-    def _zero_scales(self, pages: list[int]) -> None:
-        if pages and self.k_scale is not None:  # a fresh page's scale is 0: "holds nothing"
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every page tensor as raw integers, slot dim 3: values [L, num_pages, Hkv, B, bytes],
+        scales (fp8) [L, num_pages, Hkv, B] int16 (bf16 bits)."""
+        ts = [self.k.view(torch.uint8), self.v.view(torch.uint8)]
+        if self.k_scale is not None:
+            ts += [self.k_scale.view(torch.int16), self.v_scale.view(torch.int16)]
+        return ts
+
+    def _zero_pages(self, pages: list[int]) -> None:
+        """A fresh page holds zeros, whatever its previous owner wrote (no leak into the wire)."""
+        if pages:
             idx = torch.tensor(pages, device=self.device)
-            self.k_scale[:, idx] = 0.0
-            self.v_scale[:, idx] = 0.0
+            for t in self._tensors():
+                t.index_fill_(1, idx, 0)
 
     # ---- one forward step ---------------------------------------------------------------------
 
@@ -122,7 +152,7 @@ class PagedKVCache:
             self.tables.release_outside_window(s)  # before allocating: they are reusable now
         starts = [self.tables.length(s) for s in seq_ids]
         try:
-            self._zero_scales(self.tables.append(list(zip(seq_ids, num_new))))
+            self._zero_pages(self.tables.append(list(zip(seq_ids, num_new))))
         except OutOfPages:
             for s in added:
                 self.tables.free(s)
@@ -135,27 +165,30 @@ class PagedKVCache:
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
         self._slots = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [num_tokens]
-        decode = [i for i, (_, start, n) in enumerate(self._step) if n == 1 and start > 0]
-        self._all_decode = bool(decode) and len(decode) == len(self._step)
-        first_rows = [0]
-        for _, _, n in self._step:
-            first_rows.append(first_rows[-1] + n)
-        self._decode_rows = torch.tensor([first_rows[i] for i in decode], dtype=torch.int64,
-                                         device=self.device)  # [S] rows of q that decode
-        if decode:
-            tabs = [self.tables.table(self._step[i][0]) for i in decode]
+        # Rows of q that attend over pages: every new token of a sequence that has context,
+        # each as its own kernel row (its sequence's block table, context up to itself).
+        rows, tabs, ctx, row = [], [], [], 0
+        for s, start, n in self._step:
+            if start > 0 and n <= MAX_PAGED_QUERIES:
+                table = self.tables.table(s)
+                rows.extend(range(row, row + n))
+                tabs.extend([table] * n)
+                ctx.extend(range(start + 1, start + n + 1))
+            row += n
+        self._all_paged = bool(rows) and len(rows) == row
+        self._paged_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [R]
+        if rows:
             width = max(len(t) for t in tabs)
             self._block_tables = torch.tensor([t + [RELEASED] * (width - len(t)) for t in tabs],
-                                              dtype=torch.int32, device=self.device)  # [S, max_blocks]
-            self._ctx = torch.tensor([self._step[i][1] + 1 for i in decode], dtype=torch.int32,
-                                     device=self.device)  # [S]
+                                              dtype=torch.int32, device=self.device)  # [R, max_blocks]
+            self._ctx = torch.tensor(ctx, dtype=torch.int32, device=self.device)  # [R]
         return torch.tensor(positions, dtype=torch.int64, device=self.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None) -> torch.Tensor:
         k_pages, v_pages, k_scale, v_scale = self.layer_tensors(layer)
         dispatch.write_kv(k_pages, v_pages, k_scale, v_scale, k, v, self._slots)
-        if self._all_decode:  # the hot path: one batched call, no per-sequence Python
+        if self._all_paged:  # the hot path (decode, verification): one batched call
             return dispatch.paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale,
                                                    self._block_tables, self._ctx, window, self.sm_scale)
         out, row = torch.empty_like(q), 0
@@ -168,17 +201,17 @@ class PagedKVCache:
                 pos = torch.arange(n, device=q.device)
                 mask = None if window is None or n <= window else attention_mask(pos, pos, window)
                 out[rows] = sdpa_gqa(q[rows], k[rows], v[rows], mask, causal=True)
-            elif n > 1:
+            elif n > MAX_PAGED_QUERIES:
                 out[rows] = self._attend_pages(layer, seq_id, q[rows], start, n, window)
-        if self._decode_rows.numel():
-            idx = self._decode_rows
+        if self._paged_rows.numel():
+            idx = self._paged_rows
             out[idx] = dispatch.paged_decode_attention(q[idx], k_pages, v_pages, k_scale, v_scale,
                                                        self._block_tables, self._ctx, window, self.sm_scale)
         return out
 
     def _attend_pages(self, layer: int, seq_id: int, q: torch.Tensor, start: int, n: int,
                       window: int | None) -> torch.Tensor:
-        """Several new queries after existing context: dequantize the visible pages, mask, sdpa."""
+        """Many new queries after existing context: dequantize the visible pages, mask, sdpa."""
         bs, end = self.spec.block_size, start + n
         first_block = 0 if window is None else max(0, start - window + 1) // bs
         ids = torch.tensor(self.tables.table(seq_id)[first_block:-(-end // bs)], device=self.device)

@@ -8,7 +8,7 @@ tokens and, for sliding-window models, gives back pages that no future query can
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 RELEASED = -1  # block-table entry of a page given back because it fell behind the window
 
@@ -31,8 +31,11 @@ class PagePool:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out 0, 1, 2, ...
-        self._in_use = [False] * num_pages
+        self._refs = [0] * num_pages  # holders of each page: sequences, and the prefix cache
         self._peak = 0
+        # Called with the number of pages missing before an allocation fails (the prefix cache
+        # evicts unreferenced pages there); None = nothing to reclaim.
+        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -46,25 +49,40 @@ class PagePool:
         """n distinct free pages, or OutOfPages and no change at all."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
         if n > len(self._free):
             raise OutOfPages(n, len(self._free))
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
-            self._in_use[p] = True
+            self._refs[p] = 1
         self._peak = max(self._peak, self.num_used)
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
-        """Return pages to the pool; all are checked before any is freed."""
+        """Drop one holder of each page; a page with no holder left returns to the pool. All are
+        checked before any is freed."""
         pages = list(pages)
         if len(set(pages)) != len(pages):
             raise PageError(f"page ids freed twice in one call: {sorted(pages)}")
-        bad = [p for p in pages if not (0 <= p < self.num_pages and self._in_use[p])]
+        bad = [p for p in pages if not (0 <= p < self.num_pages and self._refs[p])]
         if bad:
             raise PageError(f"pages {bad} are not allocated (double free?)")
         for p in pages:
-            self._in_use[p] = False
-        self._free.extend(reversed(pages))
+            self._refs[p] -= 1
+        self._free.extend(p for p in reversed(pages) if not self._refs[p])
+
+    def share(self, pages: Iterable[int]) -> None:
+        """Add one holder to each allocated page (a shared prefix page: read-only once full)."""
+        pages = list(pages)
+        bad = [p for p in pages if not (0 <= p < self.num_pages and self._refs[p])]
+        if bad:
+            raise PageError(f"pages {bad} are not allocated; only a held page can be shared")
+        for p in pages:
+            self._refs[p] += 1
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
 
     def stats(self) -> dict[str, int]:
         return {"num_pages": self.num_pages, "used": self.num_used, "free": self.num_free,
@@ -91,12 +109,35 @@ class BlockTables:
             raise ValueError(f"sequence {seq_id} already exists")
         self._tables[seq_id], self._lengths[seq_id] = [], 0
 
+    def attach(self, seq_id: int, pages: Sequence[int]) -> None:
+        """Start a sequence on already-filled full pages (a cached prefix): it holds them too."""
+        self.add(seq_id)
+        self.pool.share(pages)
+        self._tables[seq_id].extend(pages)
+        self._lengths[seq_id] = len(pages) * self.block_size
+
     def table(self, seq_id: int) -> list[int]:
         """Page ids by block index (RELEASED for pages behind the window). Do not mutate."""
         return self._tables[seq_id]
 
     def length(self, seq_id: int) -> int:
         return self._lengths[seq_id]
+
+    def max_pages(self, prompt_len: int, total_len: int, lookahead: int = 0) -> int:
+        """The most pages one sequence can hold at once: what a scheduler reserves for it.
+
+        ``total_len``: prompt + every token it may generate (a step's speculative proposals are
+        capped so the sequence never grows past it); ``lookahead``: tokens fed beyond the last
+        accepted one in one step (proposals, rolled back after). The whole prompt is written at
+        once (nothing is behind the window yet); later, with a window W,
+        ``release_outside_window`` keeps the live positions to W - 1 + the step's 1 + lookahead
+        tokens, which straddle at most ceil((W + lookahead) / block_size) + 1 pages.
+        """
+        bs = self.block_size
+        pages = -(-total_len // bs)
+        if self.window is not None:
+            pages = min(pages, max(-(-prompt_len // bs), -(-(self.window + lookahead) // bs) + 1))
+        return pages
 
     def pages_needed(self, seq_id: int, num_new: int) -> int:
         have = len(self._tables[seq_id])

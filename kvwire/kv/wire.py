@@ -28,7 +28,7 @@ class KVChunk:
     num_pages: int
     k: bytes  # [num_pages, num_kv_heads, block_size, head_dim] values
     v: bytes
-    k_scales: bytes  # [num_pages, num_kv_heads] float32 little-endian; empty for bf16 pages
+    k_scales: bytes  # [num_pages, num_kv_heads, block_size] bfloat16 little-endian; empty for bf16 pages
     v_scales: bytes
     crc32: int
 
@@ -53,13 +53,14 @@ def encode_layer(spec: KVPageSpec, layer: int, k: torch.Tensor, v: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                  max_bytes: int = MAX_CHUNK_BYTES) -> Iterator[KVChunk]:
     """k, v: [num_pages, num_kv_heads, block_size, head_dim] of one sequence and one layer, in page
-    order; scales [num_pages, num_kv_heads] float32 (None for bf16 pages)."""
+    order; scales [num_pages, num_kv_heads, block_size] bfloat16 (None for bf16 pages): the
+    in-memory bytes, unchanged."""
     step = pages_per_chunk(spec, max_bytes)
     for first in range(0, k.shape[0], step):
         sl = slice(first, first + step)
         kb, vb = _raw(k[sl]), _raw(v[sl])
-        ksb = _raw(k_scale[sl].float()) if spec.has_scales else b""
-        vsb = _raw(v_scale[sl].float()) if spec.has_scales else b""
+        ksb = _raw(k_scale[sl]) if spec.has_scales else b""
+        vsb = _raw(v_scale[sl]) if spec.has_scales else b""
         yield KVChunk(layer, first, k[sl].shape[0], kb, vb, ksb, vsb, checksum(kb, vb, ksb, vsb))
 
 
@@ -69,7 +70,7 @@ class DecodedChunk:
     first_page: int
     k: torch.Tensor  # [num_pages, num_kv_heads, block_size, head_dim], the spec's page dtype
     v: torch.Tensor
-    k_scale: torch.Tensor | None  # [num_pages, num_kv_heads] float32
+    k_scale: torch.Tensor | None  # [num_pages, num_kv_heads, block_size] bfloat16
     v_scale: torch.Tensor | None
 
 
@@ -81,7 +82,7 @@ def decode_chunk(spec: KVPageSpec, chunk: KVChunk, num_seq_pages: int) -> Decode
         raise WireError(f"layer {chunk.layer}: pages [{chunk.first_page}, {chunk.first_page + chunk.num_pages}) "
                         f"outside the sequence's {num_seq_pages} pages")
     want = chunk.num_pages * spec.values_per_page * spec.itemsize
-    want_scales = chunk.num_pages * spec.num_kv_heads * 4 if spec.has_scales else 0
+    want_scales = chunk.num_pages * spec.scale_bytes_per_page
     for name, got, expected in (("k", len(chunk.k), want), ("v", len(chunk.v), want),
                                 ("k_scales", len(chunk.k_scales), want_scales),
                                 ("v_scales", len(chunk.v_scales), want_scales)):
@@ -99,7 +100,8 @@ def decode_chunk(spec: KVPageSpec, chunk: KVChunk, num_seq_pages: int) -> Decode
     def scales(b: bytes) -> torch.Tensor | None:
         if not spec.has_scales:
             return None
-        return torch.frombuffer(bytearray(b), dtype=torch.float32).view(chunk.num_pages, spec.num_kv_heads)
+        return torch.frombuffer(bytearray(b), dtype=torch.bfloat16).view(chunk.num_pages, spec.num_kv_heads,
+                                                                         spec.block_size)
 
     return DecodedChunk(chunk.layer, chunk.first_page, values(chunk.k), values(chunk.v),
                         scales(chunk.k_scales), scales(chunk.v_scales))

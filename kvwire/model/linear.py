@@ -2,7 +2,7 @@
 
 Weights may be fp32 or bf16; activations arrive in fp32. A one-row (decode) bf16 matmul streams
 the weights at full memory bandwidth everywhere. Over many rows (prefill) it depends on the CPU:
-without native bf16 arithmetic (no AVX512-BF16 / AMX; ../shared/MEASURED.md) it is ~5x slower
+without native bf16 arithmetic (no AVX512-BF16 / AMX) it is ~5x slower
 than fp32, so bf16 weights are upcast; with it (this project's CI machines report AVX512-BF16)
 the bf16 matmul is ~3.5x faster than the upcast, so the activations are cast to bf16 instead.
 The choice comes from the CPU's feature flags, never from timing, so every process on a machine

@@ -1,4 +1,5 @@
-"""Load a local Hugging Face model directory (config.json + safetensors) into ``Transformer``.
+"""Load a model into ``Transformer``: a local Hugging Face directory (config.json + safetensors) or a
+GGUF file (see ``kvwire.model.gguf``), whose tensors are dequantized one at a time.
 
 Every failure names the file, the tensor and what was expected. Paths are resolved inside the
 model directory: a name in an index file cannot escape through ``..`` or a symlink.
@@ -14,20 +15,23 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvwire.config import ConfigError, DType, ModelConfig
+from kvwire.config import DType, ModelConfig
 from kvwire.files import LoadError, read_json, resolve_inside
+from kvwire.model import gguf
 from kvwire.model.model import Transformer, rope_inv_freq
+from kvwire.model.source import load_config, model_source
+
+__all__ = ["LoadError", "LoadedModel", "load_config", "load_model"]
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16}
 PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints larger than this
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
-    model_dir = Path(model_dir)
+def _open_safetensors(path: Path):
     try:
-        return ModelConfig.from_hf(read_json(model_dir, "config.json"), str(model_dir / "config.json"))
-    except ConfigError as e:
-        raise LoadError(str(e)) from e
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own untyped errors for bad files
+        raise LoadError(f"{path}: not a readable safetensors file ({e})") from e
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -45,7 +49,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     single = resolve_inside(model_dir, "model.safetensors")
     if not single.is_file():
         raise LoadError(f"{model_dir}: missing model.safetensors (or model.safetensors.index.json)")
-    with safe_open(str(single), framework="pt") as f:
+    with _open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -85,7 +89,11 @@ class LoadedModel:
 
 def load_model(model_dir: str | Path, dtype: DType = DType.FP32, device: str = "cpu",
                progress: bool | None = None) -> LoadedModel:
-    model_dir = Path(model_dir)
+    """``model_dir``: an HF directory, a .gguf file, a directory holding one, or a registered name."""
+    src = model_source(model_dir)
+    if src.gguf is not None:
+        return _load_gguf(src.gguf, DType(dtype), device, progress)
+    model_dir = src.path
     cfg = load_config(model_dir)
     files = weight_files(model_dir)
     plan = hf_tensor_plan(cfg)
@@ -98,11 +106,9 @@ def load_model(model_dir: str | Path, dtype: DType = DType.FP32, device: str = "
     show = total >= PROGRESS_MIN_BYTES if progress is None else progress
     tdtype = TORCH_DTYPES[DType(dtype)]
 
-    with torch.device("meta"):
-        model = Transformer(cfg)
     sha = hashlib.sha256()
     tensors: dict[str, torch.Tensor] = {}
-    handles = {f: safe_open(str(f), framework="pt") for f in set(files.values())}
+    handles = {f: _open_safetensors(f) for f in set(files.values())}
     try:
         for name in tqdm(needed, desc=f"loading {model_dir.name}", unit="tensor", disable=not show):
             t = handles[files[name]].get_tensor(name)
@@ -124,8 +130,48 @@ def load_model(model_dir: str | Path, dtype: DType = DType.FP32, device: str = "
             # Norm weights and biases are tiny and stay fp32; matrices take the requested dtype.
             pieces.append(t.to(torch.float32 if t.dim() == 1 else tdtype))
         state[ours] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    return LoadedModel(model=_finish(cfg, state, device), config=cfg, weights_sha256=sha.hexdigest())
+
+
+def _finish(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # built on "meta" above; make it real
     for p in model.parameters():
         p.requires_grad_(False)
-    return LoadedModel(model=model.to(device).eval(), config=cfg, weights_sha256=sha.hexdigest())
+    return model.to(device).eval()
+
+
+def _load_gguf(path: Path, dtype: DType, device: str, progress: bool | None) -> LoadedModel:
+    """Dequantize tensor by tensor (one float32 tensor alive at a time beside the model being built),
+    undo llama.cpp's Q/K permutation, concatenate into our fused parameters in ``dtype``."""
+    reader = gguf.open_gguf(path)
+    cfg = load_config(path, reader)
+    arch = gguf.field(reader, "general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
+    plan = gguf.tensor_plan(cfg)
+    expected = {name: shape for ours, parts in hf_tensor_plan(cfg).items()
+                for name, shape in zip(plan[ours], (shape for _, shape in parts))}
+    for name in sorted(expected):
+        if name not in tensors:
+            raise LoadError(f"{path}: tensor {name!r} is missing")
+    show = os.path.getsize(path) >= PROGRESS_MIN_BYTES if progress is None else progress
+    tdtype = TORCH_DTYPES[dtype]
+    state: dict[str, torch.Tensor] = {}
+    for ours, parts in tqdm(plan.items(), desc=f"loading {path.name}", unit="tensor", disable=not show):
+        if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+            state[ours] = state["embed.weight"]  # one table, as a tied checkpoint means
+            continue
+        pieces = []
+        for name in parts:
+            w = gguf.dequantized(tensors[name], arch, cfg, str(path))
+            if w.shape != expected[name]:
+                raise LoadError(f"{path}: tensor {name!r} has shape {w.shape}, expected {expected[name]} "
+                                "from the file's metadata")
+            # Norm weights and biases are tiny and stay fp32; matrices take the requested dtype.
+            pieces.append(torch.from_numpy(w).to(torch.float32 if w.ndim == 1 else tdtype))
+            del w
+        state[ours] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        del pieces
+    return LoadedModel(model=_finish(cfg, state, device), config=cfg, weights_sha256=gguf.weights_sha256(reader))

@@ -2,29 +2,33 @@
 
 Every layer keeps Linear's contract, ``forward(x fp32 [rows, in]) -> fp32 [rows, out]``, and is
 built at load time from the checkpoint's fp32/bf16 weight, which it does not keep. Which op runs
-(numbers in the comments below and ../../shared/MEASURED.md; "decode" = few rows; the CUDA
-lines have not yet been run on a GPU):
+("decode" = few rows; "bf16 CPU" = native bf16 arithmetic, AVX512-BF16 or AMX, read from the CPU's
+flags so every process on a machine computes the same numbers; the CUDA lines have not yet been
+run on a GPU):
 
 mode  rows                   op                                               numerics
-bf16  < UPCAST_MIN_ROWS      bf16 F.linear (Linear)                           W16A16
-      >= UPCAST_MIN_ROWS     bf16 weight upcast to fp32, fp32 F.linear        W16A32
+bf16  any, bf16 CPU / GPU    bf16 F.linear (Linear)                           W16A16
+      >= UPCAST_MIN_ROWS     other CPUs: bf16 weight upcast to fp32           W16A32
 int8  < W8A8_MIN_ROWS        aten._weight_int8pack_mm(x bf16, w int8)         W8A16, fp32 scales
-      >= W8A8_MIN_ROWS, CPU  quantized::linear_dynamic (fbgemm, prepacked)    W8A8, per-tensor act.
-      fallback / no engine   int8 weight -> fp32 per call, fp32 F.linear      W8A32
-      (CUDA: the fallback line for every row count, until checked on a GPU)
-      (in_features % 16 != 0: no int8pack_mm; every row count takes the W8A8/fallback line)
-fp8   CUDA, dims % 16 == 0   torch._scaled_mm(e4m3, e4m3, rowwise scales)     W8A8, per-token act.
-      CPU (and fallback)     the same W8A8 emulated: activations rounded      W8A8 (same values)
-                             per token to e4m3, times the e4m3 weight held
-                             as its exact bf16 image; bf16 matmul for decode
-                             rows, fp32 for wide ones
+      >= W8A8_MIN_ROWS       int8 weight -> bf16 a block of rows at a time,   W8A16
+                             bf16 F.linear (bf16 CPU, GPU; fp32 elsewhere)    (W8A32)
+      W8A8_LAYERS only       quantized::linear_dynamic (fbgemm) on rows       W8A8, per-token act.
+                             scaled to absmax 1 (off by default, see below)
+      (in_features % 16 != 0: no int8pack_mm; every row count takes the wide line)
+fp8   decode, bf16 CPU, GPU  e4m3 weight (its exact bf16 image on CPU) x      W8A16, fp32 scales
+                             bf16 activations, bf16 F.linear
+      >= UPCAST_MIN_ROWS     other CPUs: the same weight upcast to fp32       W8A32
 
-Why fp8 on CPU is emulated: this CPU has no fp8 arithmetic; ``torch._scaled_mm`` does run on CPU
-with rowwise scales and gives the same result, but ~50x slower than an fp32 gemv, and converting
+Activations are not quantized by default because this model family's activations have outlier
+input channels (see W8A8_LAYERS for the measurements). fp8 weights are weight-only for the same
+reason: on SmolLM2-135M-Instruct e4m3 weights alone cost +2.1% perplexity, and e4m3 activations
+per token on top of them (torch._scaled_mm's W8A8) +2.9%.
+
+Why fp8 weights are a bf16 image on CPU: this CPU has no fp8 arithmetic, and converting
 e4m3 -> bf16/fp32 is a scalar loop (~40-60 ms per 11.5 M values), so any per-call dequantization
 costs more than the matmul. Every e4m3 value is exactly representable in bf16, so on CPU the
 weight is stored once as that bf16 image (2 bytes/param, lossless; ``.to(float8_e4m3fn)`` gives
-the e4m3 bytes back) and decode runs at bf16 speed.
+the e4m3 bytes back) and runs at bf16 speed.
 
 lm_head is NOT quantized by default (``include_lm_head=False``): its output is the logits that
 sampling and speculative acceptance read directly, with no later layer to average the error away,
@@ -33,25 +37,34 @@ stay intact for the lookup). Pass ``include_lm_head=True`` to trade that for dec
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvwire.config import QuantMode
-from kvwire.model.linear import UPCAST_MIN_ROWS, Linear, upcast_linear
+from kvwire.model.linear import UPCAST_MIN_ROWS, Linear, cpu_has_native_bf16, upcast_linear
 
-# int8: rows at or above which the fbgemm W8A8 kernel runs instead of weight-only int8pack_mm.
-# int8pack_mm's cost jumps from 8 rows on (2048x5632, 1 thread: ~1.5 ms for 1-4 rows, ~5 ms at
-# 8, ~9 ms at 32), while fbgemm stays at 0.6-2 ms. NB: on this AVX512-VNNI host fbgemm also beat
-# int8pack_mm at 1 row (0.6 vs 1.7 ms), at ~1.3% error instead of ~0.8% (per-token scale at 1 row).
+# int8: rows at or above which wide-input paths run instead of weight-only int8pack_mm, whose
+# cost jumps from 8 rows on (2048x5632, 1 thread: ~1.5 ms for 1-4 rows, ~5 ms at 8, ~9 ms at 32).
 W8A8_MIN_ROWS = 8
+# Layers whose wide inputs take per-token W8A8 through fbgemm; all others (by default, every
+# layer) run weight-only int8 with bf16 (or fp32) activations. Measured on SmolLM2-135M-Instruct,
+# 6 held-out 256-token windows, perplexity vs fp32 15.750: weight-only everywhere -0.5%; per-token
+# W8A8 everywhere +3.4% (outlier input channels that no per-token scale can absorb, worst in the
+# RMSNorm outputs feeding qkv and gate_up: W8A8 on those two alone +1.8%, on attn.o and mlp.down
+# alone +0.8%); the old one-scale-per-tensor W8A8 +46%; llama.cpp q8_0 +1.1%.
+# The price is prefill speed: a 512-token prefill of that model (1 thread, CPU time) runs at 314
+# tok/s weight-only against 394 with the old W8A8 (bf16 weights: 319). SmoothQuant-style smoothing
+# calibrated on text, then per-token W8A8 everywhere, measured +0.7% (simulated): the way back to
+# fbgemm's speed within budget, not built yet.
+W8A8_LAYERS: tuple[str, ...] = ()
 # fbgemm's reduce_range=True quantizes activations to 7 bits so that u8*s8 pair sums cannot
-# saturate int16 on CPUs without VNNI. Off: the lost bit doubles the activation rounding error
-# (2048x512 layer, 64 rows, relative output error: gaussian 1.3% vs 2.1%, 1% outlier channels x20
-# 7.1% vs 14.0%), while saturation, simulated for AVX2, hit ~1e-5 of pairs and added 0.1%.
-REDUCE_RANGE = False
+# saturate int16 on CPUs without VNNI (AVX2's vpmaddubsw). With VNNI (vpdpbusd, 32-bit sums) the
+# full 8 bits are safe; the lost bit doubles the activation rounding error. Chosen from the CPU's
+# flags, never from timing.
+REDUCE_RANGE_WITHOUT_VNNI = True
 # The CPU int8pack_mm kernel reads out of bounds unless in_features % 16 == 0 (torch 2.13: NaNs,
 # or a segfault for 3+ rows, at in_features 8, 24, 40, 100, 2056); other shapes take the fallback.
 INT8PACK_K_MULTIPLE = 16
@@ -78,10 +91,10 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 (per-output-channel scales) for decode; int8 W8A8 for wide inputs on CPU."""
+    """Int8 weights with per-output-channel scales; see the module docstring for which op runs."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 reduce_range: bool = REDUCE_RANGE):
+                 act_quant: bool = False, reduce_range: bool | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         q, scale = quantize_int8(weight)
@@ -90,9 +103,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("unit_scale", torch.ones(self.out_features, dtype=torch.bfloat16,
                                                       device=weight.device), persistent=False)
-        self.reduce_range = reduce_range
-        # Tests and hosts without a quantized engine set this False to force the fallback.
-        self.use_w8a8 = weight.device.type == "cpu"
+        self.reduce_range = default_reduce_range() if reduce_range is None else reduce_range
+        # Wide inputs: per-token W8A8 through fbgemm when set (layers whose input comes straight out
+        # of an RMSNorm, see W8A8_LAYERS), weight-only otherwise. Tests and hosts without a
+        # quantized engine set use_w8a8 False to force the weight-only path.
+        self.use_w8a8 = act_quant and weight.device.type == "cpu"
         self._packed = None  # fbgemm prepacked copy, built on the first wide call (see prepacked)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +118,7 @@ class Int8Linear(nn.Module):
         if self.use_w8a8 and x.device.type == "cpu":
             packed = self.prepacked()
             if packed is not None:
-                return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, self.reduce_range)
+                return self._w8a8_per_token(x, packed)
         return self._dequantized(x)
 
     def _weight_only(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,11 +130,23 @@ class Int8Linear(nn.Module):
         y = y.float() * self.scale  # [rows, out]
         return y if self.bias is None else y + self.bias
 
+    def _w8a8_per_token(self, x: torch.Tensor, packed) -> torch.Tensor:
+        # fbgemm's dynamic linear quantizes its input with one scale per tensor. Dividing each row
+        # by its own absmax first makes that one scale (1/127 of the range [-1, 1]) a per-token
+        # scale, and the matmul is linear in each row, so multiplying the output rows back is exact.
+        amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)  # [rows, 1]
+        y = torch.ops.quantized.linear_dynamic((x / amax).contiguous(), packed, self.reduce_range)
+        y = y * amax  # [rows, out]
+        return y if self.bias is None else y + self.bias
+
     def _dequantized(self, x: torch.Tensor) -> torch.Tensor:
-        # Fallback: int8 -> x.dtype per call, blockwise (cheap next to a wide matmul); no cached
-        # float copy, so the layer stays at 1 byte/param.
-        y = upcast_linear(x, self.weight) * self.scale.to(x.dtype)  # [rows, out]
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        # Weight-only int8 for wide inputs: int8 -> compute dtype a block of rows at a time (cheap
+        # next to a wide matmul; no cached float copy, so the layer stays at 1 byte/param). bf16
+        # where the CPU has native bf16 arithmetic (activations rounded to bf16, as decode's
+        # int8pack_mm does), fp32 elsewhere; chosen from CPU flags, so every process agrees.
+        dt = compute_dtype(x.device)
+        y = upcast_linear(x.to(dt), self.weight).float() * self.scale  # [rows, out]
+        return y if self.bias is None else y + self.bias
 
     def prepacked(self):
         """The fbgemm packed weight (about as many bytes again as ``weight``), or None if the
@@ -133,14 +160,27 @@ class Int8Linear(nn.Module):
                     qw = torch._make_per_channel_quantized_tensor(
                         self.weight, self.scale.double(),
                         torch.zeros(self.out_features, dtype=torch.long), 0)
-                    self._packed = torch.ops.quantized.linear_prepack(qw, self.bias)
+                    # No bias in the packed weight: it is added after the per-token rescale.
+                    self._packed = torch.ops.quantized.linear_prepack(qw, None)
             except (RuntimeError, NotImplementedError, AttributeError):
                 self.use_w8a8 = False
         return self._packed
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype wide weight-only matmuls run in: bf16 on GPUs and on CPUs with native bf16."""
+    return torch.bfloat16 if device.type != "cpu" or cpu_has_native_bf16() else torch.float32
+
+
+@functools.cache
+def default_reduce_range() -> bool:
+    """fbgemm's 7-bit activations, on CPUs without VNNI only (see REDUCE_RANGE_WITHOUT_VNNI)."""
+    vnni = bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
+    return REDUCE_RANGE_WITHOUT_VNNI and not vnni
+
+
 class Fp8Linear(nn.Module):
-    """E4M3 weights (per-output-channel scales) x E4M3 activations (per-token scales)."""
+    """E4M3 weights (per-output-channel scales), weight-only: activations are not quantized."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -151,51 +191,25 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", q.to(torch.bfloat16) if on_cpu else q)  # [out, in]
         self.register_buffer("scale", scale[:, 0])  # [out] fp32
         self.register_buffer("bias", None if bias is None else bias.float())
-        # Whether to call torch._scaled_mm; on CPU it is correct but slow, so off unless forced.
-        self.use_scaled_mm = not on_cpu
-        aligned = self.in_features % 16 == 0 and self.out_features % 16 == 0
-        self._scaled_mm_ok = aligned or on_cpu  # CUDA needs both dims % 16; unset after a failure
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [rows, in] fp32 -> [rows, out] fp32
-        xq, xs = quantize_fp8(x)  # [rows, in] e4m3, [rows, 1] fp32
-        y = None
-        if self.use_scaled_mm and self._scaled_mm_ok:
-            y = self._scaled_mm(xq, xs)
-        if y is None:
-            y = self._emulated(xq, xs)
+        # x: [rows, in] fp32 -> [rows, out] fp32. e4m3 -> bf16/fp32 is exact, so this is the
+        # e4m3 weight times bf16 (or fp32) activations, fp32 accumulation, scales on the product.
+        if x.device.type == "cpu" and x.shape[0] >= UPCAST_MIN_ROWS and not cpu_has_native_bf16():
+            acc = upcast_linear(x, self.weight)  # no native bf16: fp32 compute
+        else:
+            acc = upcast_linear(x.to(torch.bfloat16), self.weight).float()  # GPU: e4m3 -> bf16 blockwise
+        y = acc * self.scale  # [rows, out]
         return y if self.bias is None else y + self.bias
 
-    def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor | None:
-        w = self.weight if self.weight.dtype == FP8 else self.weight.to(FP8)  # exact
-        # CUDA rowwise scaling wants fp32 scales [rows, 1] and [1, out], the second operand
-        # column-major (w is row-major [out, in], so w.t() is) and a bf16 output; CPU takes fp32.
-        out_dtype = torch.float32 if xq.device.type == "cpu" else torch.bfloat16
-        try:
-            y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=self.scale[None, :],
-                                 out_dtype=out_dtype)
-        except (RuntimeError, NotImplementedError):
-            self._scaled_mm_ok = False  # e.g. a GPU without fp8 (pre-sm89): emulate from now on
-            return None
-        return y.float()  # [rows, out]
 
-    def _emulated(self, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-        # Same values as _scaled_mm: e4m3 -> bf16/fp32 is exact, scales applied to the product.
-        w = self.weight if self.weight.dtype == torch.bfloat16 else self.weight.to(torch.bfloat16)
-        if xq.shape[0] < UPCAST_MIN_ROWS or w.device.type != "cpu":
-            acc = F.linear(xq.to(torch.bfloat16), w).float()  # fp32 accumulate, bf16 output
-        else:  # fp32 accumulate *and* output, as _scaled_mm gives (a bf16 matmul rounds its output)
-            acc = upcast_linear(xq.float(), w)
-        return acc * xs * self.scale  # [rows, out]
-
-
-def _quantized(lin: Linear, mode: QuantMode) -> nn.Module:
+def _quantized(lin: Linear, mode: QuantMode, name: str = "") -> nn.Module:
     w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
     if mode is QuantMode.BF16:
         lin.weight = nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
         return lin
     if mode is QuantMode.INT8:
-        return Int8Linear(w, b)
+        return Int8Linear(w, b, act_quant=name.endswith(W8A8_LAYERS))
     return Fp8Linear(w, b)
 
 
@@ -214,7 +228,7 @@ def quantize_model(model: nn.Module, mode: QuantMode, include_lm_head: bool = Fa
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if isinstance(child, Linear) and (include_lm_head or full != "lm_head"):
-                setattr(module, child_name, _quantized(child, mode))
+                setattr(module, child_name, _quantized(child, mode, full))
     return model
 
 

@@ -15,15 +15,17 @@ import transformers
 from kvwire.lazy import Lazy
 from kvwire.runtime import EngineConfig, load_engine
 from kvwire.serving import GrpcServer, build_channel
-from decode_svc.engine import DecodeEngine
-from decode_svc.runner import DecodeRunner
-from decode_svc.scheduler import Scheduler, SchedulerConfig
+from kvwire.engine.async_engine import AsyncEngine
+from kvwire.engine.core import EngineCore
+from kvwire.engine.kv_source import KVSourcePolicy, KVSources, LocalPrefill, RemotePrefill
+from kvwire.engine.runner import ModelRunner
+from kvwire.engine.scheduler import SchedulerConfig
+from kvwire.engine.speculative import SpecConfig
 from decode_svc.server import DecodeServicer
-from decode_svc.speculative import SpecConfig
 from prefill_svc.runner import PrefillRunner
 from prefill_svc.server import PrefillServicer
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pbg
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 
 
 def tiny_model(path: Path, seed: int = 0, vocab_size: int = 300, hidden_size: int = 64,
@@ -37,19 +39,22 @@ def tiny_model(path: Path, seed: int = 0, vocab_size: int = 300, hidden_size: in
 
 
 class Harness:
-    """``async with Harness(cfg) as h``: h.decode (stub), h.prefill_runner, h.engine (DecodeEngine)."""
+    """``async with Harness(cfg) as h``: h.decode (stub), h.prefill_runner, h.engine (AsyncEngine).
+
+    ``prefill_addr=""``: decode has no prefill replica (every prompt prefills locally)."""
 
     def __init__(self, cfg: EngineConfig, prefill_cfg: EngineConfig | None = None, decode_pages: int = 64,
                  prefill_wrapper=None, max_waiting: int = 8, prefill_addr: str | None = None,
-                 draft_cfg: EngineConfig | None = None, spec_config: SpecConfig = SpecConfig()):
+                 draft_cfg: EngineConfig | None = None, spec_config: SpecConfig = SpecConfig(),
+                 policy: KVSourcePolicy = KVSourcePolicy(local_max_tokens=0), prefix_caching: bool = False):
         self.cfg, self.prefill_cfg = cfg, prefill_cfg or cfg
-        self.draft_cfg, self.spec_config = draft_cfg, spec_config
+        self.draft_cfg, self.spec_config, self.policy = draft_cfg, spec_config, policy
         self.decode_pages, self.prefill_wrapper = decode_pages, prefill_wrapper
-        self.max_waiting, self.prefill_addr = max_waiting, prefill_addr
+        self.max_waiting, self.prefill_addr, self.prefix_caching = max_waiting, prefill_addr, prefix_caching
 
     async def __aenter__(self) -> "Harness":
         self.prefill_engine = load_engine(self.prefill_cfg)
-        self.prefill_runner = PrefillRunner(self.prefill_engine, 128)
+        self.prefill_runner = PrefillRunner(self.prefill_engine, 128, prefix_caching=self.prefix_caching)
         servicer = PrefillServicer(self.prefill_runner)
         if self.prefill_wrapper is not None:
             servicer = self.prefill_wrapper(servicer)
@@ -58,12 +63,14 @@ class Harness:
         port = await self.prefill_server.start("127.0.0.1:0")
         engine = load_engine(dataclasses.replace(self.cfg, num_pages=self.decode_pages))
         draft = load_engine(self.draft_cfg) if self.draft_cfg is not None else None
-        runner = DecodeRunner(engine, self.decode_pages, draft)
+        runner = ModelRunner(engine, self.decode_pages, draft, prefix_caching=self.prefix_caching)
         runner.warm_up()
-        self.channel = build_channel(self.prefill_addr or f"127.0.0.1:{port}", tracing=False)
-        scheduler = Scheduler(SchedulerConfig(self.decode_pages, self.cfg.block_size, max_waiting=self.max_waiting))
-        self.engine = DecodeEngine(runner, scheduler, pbg.PrefillServiceStub(self.channel),
-                                   spec_config=self.spec_config)
+        addr = f"127.0.0.1:{port}" if self.prefill_addr is None else self.prefill_addr
+        self.channel = build_channel(addr, tracing=False) if addr else None
+        remote = RemotePrefill(runner, pbg.PrefillServiceStub(self.channel), self.channel) if addr else None
+        core = EngineCore(runner, SchedulerConfig(self.decode_pages, max_waiting=self.max_waiting),
+                          self.spec_config)
+        self.engine = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, self.policy))
         self.engine.start()
         lazy = Lazy(DecodeServicer, "decode_svc")
         lazy.set(DecodeServicer(self.engine))
@@ -78,13 +85,14 @@ class Harness:
         await self.decode_channel.close()
         await self.decode_server.stop(0)
         await self.engine.close()
-        await self.channel.close()
+        if self.channel is not None:
+            await self.channel.close()
         await self.prefill_server.stop(0)
 
-    async def generate(self, prompt: list[int], **sampling) -> list[int]:
+    async def generate(self, prompt: list[int], kv_source: int = pb.KV_SOURCE_UNSPECIFIED, **sampling) -> list[int]:
         tokens = []
-        async for m in self.decode.Generate(pb.GenerateTokensRequest(
-                prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling))):
+        async for m in self.decode.GenerateTokens(pb.GenerateTokensRequest(
+                prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling), kv_source=kv_source)):
             tokens += m.token_ids
         return tokens
 
@@ -93,7 +101,7 @@ class Harness:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
-            stats = await self.decode.GetPoolStats(pb.PoolStatsRequest())
+            stats = await self.decode.GetPoolStats(pb.GetPoolStatsRequest())
             if stats.free_pages == decode_free and self.prefill_runner.stats()["free"] == prefill_free \
                     and stats.running == 0:
                 return True

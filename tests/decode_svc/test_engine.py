@@ -11,8 +11,8 @@ import pytest
 from kvwire.config import KVDtype, QuantMode
 from kvwire.generate import generate
 from kvwire.runtime import EngineConfig, load_engine
-from kvwire.sampling import SamplingParams
-from protos import kvwire_pb2 as pb
+from kvwire.sampling_params import SamplingParams
+from protos.kvwire.v1 import kvwire_pb2 as pb
 from tests.decode_svc.harness import Harness, tiny_model
 from tools.stack import free_port
 
@@ -61,7 +61,7 @@ async def test_matches_in_process_generation_under_concurrency(cfg):
                                           for s in (1, 2, 3)]
     async with Harness(cfg) as h:
         outs = await asyncio.gather(*[h.generate(p, **kw) for p, kw in zip(PROMPTS, params)])
-        steps = h.engine.total_steps
+        steps = h.engine.core.total_steps
     for prompt, kw, out in zip(PROMPTS, params, outs):
         expected = generate(ref_engine.model, prompt, SamplingParams(**kw), cache=ref_engine.new_cache(64))
         assert out == expected
@@ -85,11 +85,11 @@ async def test_cancel_during_kv_transfer_frees_every_page(cfg):
         return holder["w"]
 
     async with Harness(cfg, prefill_wrapper=wrap) as h:
-        call = h.decode.Generate(pb.GenerateTokensRequest(prompt_token_ids=list(range(5, 105)),
+        call = h.decode.GenerateTokens(pb.GenerateTokensRequest(prompt_token_ids=list(range(5, 105)),
                                                           sampling=pb.SamplingParams(max_tokens=50)))
         reader = asyncio.ensure_future(call.read())
         await asyncio.wait_for(holder["w"].chunk_sent.wait(), 10)
-        stats = await h.decode.GetPoolStats(pb.PoolStatsRequest())
+        stats = await h.decode.GetPoolStats(pb.GetPoolStatsRequest())
         assert stats.used_pages > 0 and h.prefill_runner.stats()["used"] > 0  # mid-transfer
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -99,11 +99,11 @@ async def test_cancel_during_kv_transfer_frees_every_page(cfg):
 
 async def test_cancel_during_decode_frees_every_page(cfg):
     async with Harness(cfg) as h:
-        call = h.decode.Generate(pb.GenerateTokensRequest(prompt_token_ids=list(range(5, 60)),
+        call = h.decode.GenerateTokens(pb.GenerateTokensRequest(prompt_token_ids=list(range(5, 60)),
                                                           sampling=pb.SamplingParams(max_tokens=400)))
         for _ in range(3):
             await call.read()
-        assert (await h.decode.GetPoolStats(pb.PoolStatsRequest())).used_pages > 0
+        assert (await h.decode.GetPoolStats(pb.GetPoolStatsRequest())).used_pages > 0
         call.cancel()
         assert await h.pools_back_to(64, 128)
 
@@ -132,10 +132,57 @@ async def test_damaged_kv_is_data_loss(cfg, damage, match):
         assert await h.pools_back_to(64, 128)
 
 
-async def test_prefill_down_is_unavailable(cfg):
+async def test_local_and_remote_prefill_give_the_same_tokens(cfg):
+    params = [dict(max_tokens=20), dict(max_tokens=16, temperature=0.8, top_k=40, seed=5)]
+    async with Harness(cfg) as h:
+        for kw in params:
+            for prompt in PROMPTS[:4]:
+                local = await h.generate(prompt, kv_source=pb.KV_SOURCE_LOCAL, **kw)
+                remote = await h.generate(prompt, kv_source=pb.KV_SOURCE_REMOTE, **kw)
+                assert local == remote and len(local) == kw["max_tokens"]
+        # Concurrently, mixed in one batch: still the same tokens.
+        mixed = await asyncio.gather(*[h.generate(p, kv_source=pb.KV_SOURCE_LOCAL if i % 2 else pb.KV_SOURCE_REMOTE,
+                                                  max_tokens=12) for i, p in enumerate(PROMPTS)])
+        alone = [await h.generate(p, kv_source=pb.KV_SOURCE_REMOTE, max_tokens=12) for p in PROMPTS]
+        assert mixed == alone
+        assert await h.pools_back_to(64, 128)
+
+
+async def test_policy_sends_short_prompts_local_and_long_ones_remote(cfg):
+    from kvwire.engine.kv_source import KVSourcePolicy
+    async with Harness(cfg, policy=KVSourcePolicy(local_max_tokens=20)) as h:
+        used = []
+        original = h.engine.sources.fill
+
+        async def spy(req, run):
+            first = await original(req, run)
+            used.append((len(req.prompt), req.kv_source_used))
+            return first
+        h.engine.sources.fill = spy
+        for prompt in PROMPTS[:3]:  # 3, 17, 31 tokens
+            await h.generate(prompt, max_tokens=4)
+        await h.generate(PROMPTS[2], max_tokens=4, kv_source=pb.KV_SOURCE_LOCAL)  # forced
+        await h.generate(PROMPTS[0], max_tokens=4, kv_source=pb.KV_SOURCE_REMOTE)
+    assert used == [(3, "local"), (17, "local"), (31, "remote"), (31, "local"), (3, "remote")]
+
+
+async def test_prefill_down_serves_locally_unless_remote_is_forced(cfg):
+    ref_engine = load_engine(cfg)
+    expected = generate(ref_engine.model, PROMPTS[2], SamplingParams(max_tokens=10), cache=ref_engine.new_cache(64))
     async with Harness(cfg, prefill_addr=f"127.0.0.1:{free_port()}") as h:
-        await expect_status(h.generate([5, 6, 7]), grpc.StatusCode.UNAVAILABLE, "")
-        assert (await h.decode.GetPoolStats(pb.PoolStatsRequest())).free_pages == 64
+        await expect_status(h.generate([5, 6, 7], kv_source=pb.KV_SOURCE_REMOTE), grpc.StatusCode.UNAVAILABLE, "")
+        assert (await h.decode.GetPoolStats(pb.GetPoolStatsRequest())).free_pages == 64
+        assert await h.generate(PROMPTS[2], max_tokens=10) == expected  # AUTO: falls back to local
+        assert await h.pools_back_to(64, 128)
+
+
+async def test_decode_without_any_prefill_replica(cfg):
+    async with Harness(cfg, prefill_addr="") as h:
+        outs = await asyncio.gather(*[h.generate(p, max_tokens=8) for p in PROMPTS])
+        assert [len(o) for o in outs] == [8] * len(PROMPTS)
+        await expect_status(h.generate([5, 6, 7], kv_source=pb.KV_SOURCE_REMOTE), grpc.StatusCode.UNAVAILABLE,
+                            "no prefill replica")
+        assert await h.pools_back_to(64, 128)
 
 
 @pytest.mark.parametrize("prompt, sampling, match", [

@@ -13,13 +13,13 @@ from kvwire.config import KVDtype
 from kvwire.generate import generate
 from kvwire.runtime import EngineConfig, load_engine
 from kvwire.sampler import probabilities
-from kvwire.sampling import SamplingParams
-from decode_svc import engine as engine_mod
-from decode_svc import speculative as spec
-from decode_svc.engine import DecodeEngine, _Request
-from decode_svc.runner import DecodeRunner
-from decode_svc.scheduler import Phase, Scheduler, SchedulerConfig, SeqState
-from protos import kvwire_pb2 as pb
+from kvwire.sampling_params import SamplingParams, SpeculativeMode
+from kvwire.engine import async_engine as engine_mod
+from kvwire.engine import speculative as spec
+from kvwire.engine.core import EngineCore
+from kvwire.engine.runner import ModelRunner
+from kvwire.engine.scheduler import SchedulerConfig
+from protos.kvwire.v1 import kvwire_pb2 as pb
 from tests.decode_svc.harness import Harness, tiny_model
 
 SM = pb.SamplingParams
@@ -109,11 +109,11 @@ async def test_greedy_speculative_equals_plain_greedy_batched(models):
     cfg = EngineConfig(model_dir=target, num_pages=128)
     ref = load_engine(cfg)
     expected = [generate(ref.model, p, SamplingParams(max_tokens=30), cache=ref.new_cache(64)) for p in PROMPTS]
-    modes = [dict(speculative=SM.DRAFT, num_speculative_tokens=4), dict(speculative=SM.NGRAM),
-             dict(speculative=SM.DRAFT, num_speculative_tokens=2), dict(speculative=SM.NONE),
-             dict(speculative=SM.NGRAM, num_speculative_tokens=7), dict()]  # last: the service default
+    modes = [dict(speculative=SM.SPECULATIVE_MODE_DRAFT, num_speculative_tokens=4), dict(speculative=SM.SPECULATIVE_MODE_NGRAM),
+             dict(speculative=SM.SPECULATIVE_MODE_DRAFT, num_speculative_tokens=2), dict(speculative=SM.SPECULATIVE_MODE_NONE),
+             dict(speculative=SM.SPECULATIVE_MODE_NGRAM, num_speculative_tokens=7), dict()]  # last: the service default
     async with Harness(cfg, draft_cfg=EngineConfig(model_dir=draft, kv_dtype=KVDtype.BF16),
-                       spec_config=spec.SpecConfig(mode="draft", num_tokens=3)) as h:
+                       spec_config=spec.SpecConfig(mode=SpeculativeMode.DRAFT, num_tokens=3)) as h:
         for rnd in range(2):  # concurrently (one shared batch), then one at a time
             if rnd == 0:
                 outs = await asyncio.gather(*[h.generate(p, max_tokens=30, **m) for p, m in zip(PROMPTS, modes)])
@@ -123,7 +123,7 @@ async def test_greedy_speculative_equals_plain_greedy_batched(models):
             for prompt, exp, out in zip(PROMPTS, expected, outs):
                 assert out == exp, f"prompt of {len(prompt)} tokens"
         assert await h.pools_back_to(64, 128)
-        assert h.engine.runner.draft_cache.stats()["used"] == 0
+        assert h.engine.core.runner.draft_cache.stats()["used"] == 0
 
 
 async def test_fp8_exact_verification_matches_plain_decode_logits(models):
@@ -132,7 +132,7 @@ async def test_fp8_exact_verification_matches_plain_decode_logits(models):
     target, _ = models
     eng = load_engine(EngineConfig(model_dir=target, kv_dtype=KVDtype.FP8_E4M3))
     prompt = list(range(3, 40))
-    plain, ver = DecodeRunner(eng, 32), DecodeRunner(eng, 32)
+    plain, ver = ModelRunner(eng, 32), ModelRunner(eng, 32)
     for r in (plain, ver):
         eng.model(torch.tensor(prompt), r.cache.prepare([0], [len(prompt)]), r.cache)
     tokens, ref = [11], []
@@ -158,38 +158,36 @@ async def test_fp8_exact_verification_matches_plain_decode_logits(models):
 
 # ---- sampling: the distribution, through the engine's own step ----------------------------------------
 
-def _engine(target_dir, draft_dir, scale: float):
+def _engine(target_dir, draft_dir, scale: float) -> EngineCore:
     tgt = load_engine(EngineConfig(model_dir=target_dir, kv_dtype=KVDtype.BF16))
     drf = load_engine(EngineConfig(model_dir=draft_dir, kv_dtype=KVDtype.BF16))
     for e in (tgt, drf):  # sharpen the random models' flat logits so draft and target disagree
         e.model.lm_head.weight.mul_(scale)
-    runner = DecodeRunner(tgt, 2048, drf)
-    return DecodeEngine(runner, Scheduler(SchedulerConfig(2048, 16)), None)
+    return EngineCore(ModelRunner(tgt, 2048, drf), SchedulerConfig(2048, max_running=1000, max_waiting=1000))
 
 
-def _sample_tokens(eng: DecodeEngine, prompt, params, n_requests, n_tokens):
-    """n_tokens decode tokens for n_requests (seeds 0..) of the same context, batched, in process."""
-    vocab = eng.engine.model_config.vocab_size
+def _sample_tokens(core: EngineCore, prompt, params, n_requests, n_tokens):
+    """n_tokens decode tokens for n_requests (seeds 0..) of the same context, batched, in process,
+    through the engine's public step: the prompt but its last token is prefilled, and that last
+    token is handed to ``start`` as if sampled, so every request's first decode token has the
+    same distribution."""
+    vocab = core.runner.runtime.model_config.vocab_size
     counts = torch.zeros(n_tokens, vocab)
-    batch = []
     for i in range(n_requests):
-        p = dataclasses.replace(params, seed=1000 + i)
-        req = _Request(str(i), i, prompt, p, frozenset(), SeqState(str(i), len(prompt), 64, 0, Phase.DECODING))
-        req.mode, req.k = p.speculative, p.num_speculative_tokens or 0
-        req.k_max, req.context, req.generated = req.k, [*prompt[:-1], prompt[-1]], 1
-        batch.append(req)
-    ctx = prompt[:-1]  # the prompt's KV (all but the pending last token), as if imported
-    positions = eng.runner.cache.prepare([r.seq for r in batch], [len(ctx)] * n_requests)
-    eng.engine.model(torch.tensor(ctx * n_requests), positions, eng.runner.cache)
-    out = [[] for _ in batch]
-    while batch:
-        for r, (tokens, _) in zip(batch, eng._step(batch)):
-            out[int(r.id)] += tokens
-            r.context += tokens
-            r.generated += len(tokens)
-        batch = [r for r in batch if len(out[int(r.id)]) < n_tokens]
-    for i, toks in enumerate(out):
-        eng.runner.free(i)
+        core.add_request(str(i), prompt[:-1], dataclasses.replace(params, seed=1000 + i))
+    batch = core.schedule()
+    out = {req.request_id: [] for req in batch.admitted}
+    for req in batch.admitted:
+        core.runner.prefill(req.seq, req.prompt)
+        core.start(req, prompt[-1])
+    while any(len(t) < n_tokens for t in out.values()):
+        batch = core.schedule()
+        for o in core.update(batch, core.execute(batch)):
+            out[o.request_id] += o.token_ids
+    for req in list(core.requests.values()):
+        core.release(req)
+        core.runner.free(req.seq)
+    for toks in out.values():
         for j in range(n_tokens):
             counts[j, toks[j]] += 1
     return counts
@@ -199,33 +197,33 @@ def _sample_tokens(eng: DecodeEngine, prompt, params, n_requests, n_tokens):
 def test_speculative_sampling_matches_plain_sampling_distribution(tmp_path, mode):
     target = tiny_model(tmp_path / "t", vocab_size=12)
     draft = tiny_model(tmp_path / "d", seed=5, vocab_size=12, hidden_size=32, num_layers=1)
-    eng = _engine(target, draft, scale=6.0)
+    core = _engine(target, draft, scale=6.0)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # repeats, so n-gram lookup always proposes
     base = SamplingParams(max_tokens=64, temperature=0.9, top_k=8)
     n = 400
-    plain = _sample_tokens(eng, prompt, dataclasses.replace(base, speculative="none"), n, 3)
-    specd = _sample_tokens(eng, prompt, dataclasses.replace(base, speculative=mode, num_speculative_tokens=3), n, 3)
+    plain = _sample_tokens(core, prompt, dataclasses.replace(base, speculative="none"), n, 3)
+    specd = _sample_tokens(core, prompt, dataclasses.replace(base, speculative=mode, num_speculative_tokens=3), n, 3)
     # Exact distribution of the first decode token; the later ones against plain sampling (two-sample).
-    logits = eng.runner.step([99], [prompt])[0]  # fresh sequence: a plain prefill of the context
-    eng.runner.free(99)
+    logits = core.runner.step([-99], [prompt])[0]  # fresh sequence: a plain prefill of the context
+    core.runner.free(-99)
     p1 = probabilities(logits[-1], base)
     assert chi2_pvalue(specd[0], p1) > 1e-3
     assert chi2_pvalue(plain[0], p1) > 1e-3
     for j in (1, 2):
         pooled = (plain[j] + specd[j]) / (2 * n)
         assert chi2_pvalue(specd[j], pooled) > 1e-4, (j, plain[j], specd[j])
-    assert eng.runner.cache.stats()["used"] == 0 and eng.runner.draft_cache.stats()["used"] == 0
+    assert core.runner.cache.stats()["used"] == 0 and core.runner.draft_cache.stats()["used"] == 0
 
 
 async def test_seeded_speculative_sampling_is_reproducible_across_batches(models):
     target, draft = models
     cfg = EngineConfig(model_dir=target, num_pages=128)
-    kw = dict(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, speculative=SM.DRAFT, num_speculative_tokens=3)
+    kw = dict(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, speculative=SM.SPECULATIVE_MODE_DRAFT, num_speculative_tokens=3)
     async with Harness(cfg, draft_cfg=EngineConfig(model_dir=draft)) as h:
         alone = await h.generate(PROMPTS[1], **kw)
         together = await asyncio.gather(h.generate(PROMPTS[1], **kw), h.generate(PROMPTS[2], max_tokens=16),
                                         h.generate(PROMPTS[0], max_tokens=12, temperature=1.0, seed=3,
-                                                   speculative=SM.NGRAM))
+                                                   speculative=SM.SPECULATIVE_MODE_NGRAM))
     assert together[0] == alone and len(alone) == 16
 
 
@@ -248,7 +246,7 @@ async def test_acceptance_on_decode_span_and_metrics(models, monkeypatch):
     target, _ = models
     before = {m: _metric(f"kvwire:spec_decode_num_{m}_tokens_total", "ngram") for m in ("draft", "accepted")}
     async with Harness(EngineConfig(model_dir=target, num_pages=128)) as h:
-        await h.generate([40, 41, 42] * 9, max_tokens=30, speculative=SM.NGRAM, num_speculative_tokens=5)
+        await h.generate([40, 41, 42] * 9, max_tokens=30, speculative=SM.SPECULATIVE_MODE_NGRAM, num_speculative_tokens=5)
     span = next(s for s in exporter.get_finished_spans() if s.name == "decode")
     a = span.attributes
     assert a["kvwire.spec.mode"] == "ngram" and a["kvwire.spec.num_speculative_tokens"] == 5
@@ -266,9 +264,9 @@ async def test_invalid_speculative_requests(models):
     target, _ = models
     async with Harness(EngineConfig(model_dir=target, num_pages=128)) as h:  # no draft model
         for sampling, code, match in [
-            (dict(speculative=SM.DRAFT), grpc.StatusCode.FAILED_PRECONDITION, "no draft model loaded"),
+            (dict(speculative=SM.SPECULATIVE_MODE_DRAFT), grpc.StatusCode.FAILED_PRECONDITION, "no draft model loaded"),
             (dict(speculative=9), grpc.StatusCode.INVALID_ARGUMENT, "speculative must be one of"),
-            (dict(speculative=SM.NGRAM, num_speculative_tokens=0), grpc.StatusCode.INVALID_ARGUMENT,
+            (dict(speculative=SM.SPECULATIVE_MODE_NGRAM, num_speculative_tokens=0), grpc.StatusCode.INVALID_ARGUMENT,
              "num_speculative_tokens must be in [1, 16]"),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -282,5 +280,5 @@ def test_speculative_fields_survive_the_wire_both_ways():
     for p in (SamplingParams(speculative="ngram", num_speculative_tokens=6),
               SamplingParams(speculative="draft"), SamplingParams(speculative="none"), SamplingParams()):
         assert conv.sampling_from_pb(conv.sampling_to_pb(p)) == p
-    assert conv.sampling_from_pb(SM(speculative=SM.DRAFT, num_speculative_tokens=3)) == \
+    assert conv.sampling_from_pb(SM(speculative=SM.SPECULATIVE_MODE_DRAFT, num_speculative_tokens=3)) == \
         SamplingParams(max_tokens=128, speculative="draft", num_speculative_tokens=3)

@@ -15,10 +15,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.generate import generate
 from kvwire.runtime import EngineConfig, load_engine
-from kvwire.sampling import SamplingParams
+from kvwire.sampling_params import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pbg
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tests.integration.otlp_receiver import OtlpReceiver
 from tools.stack import Stack
 
@@ -45,7 +45,7 @@ def stack(receiver, tmp_path_factory):
 async def stream_text(addr: str, request: pb.GenerateTextRequest) -> tuple[str, list[int], pb.GenerateTextResponse]:
     async with grpc.aio.insecure_channel(addr) as ch:
         text, ids, last = "", [], None
-        async for msg in pbg.TokenizerServiceStub(ch).Generate(request):
+        async for msg in pbg.TokenizerServiceStub(ch).GenerateText(request):
             text += msg.text
             ids += msg.token_ids
             last = msg
@@ -104,7 +104,7 @@ def test_one_trace_across_three_services(stack, receiver):
         ids = {s.span_id for s in ss}
         return wanted <= {s.name for s in ss} and all(not s.parent_span_id or s.parent_span_id in ids for s in ss)
     spans = receiver.wait_for(complete, timeout=20)
-    front = [s for s in spans if s.name.endswith("TokenizerService/Generate") and s.kind == 2]
+    front = [s for s in spans if s.name.endswith("TokenizerService/GenerateText") and s.kind == 2]
     assert len(front) == 1
     trace_id = front[0].trace_id
     in_trace = [s for s in spans if s.trace_id == trace_id]
@@ -116,7 +116,7 @@ def test_one_trace_across_three_services(stack, receiver):
     def parent(s):
         return by_id.get(s.parent_span_id)
 
-    decode_server = next(s for s in in_trace if s.name.endswith("DecodeService/Generate") and s.kind == 2)
+    decode_server = next(s for s in in_trace if s.name.endswith("DecodeService/GenerateTokens") and s.kind == 2)
     prefill_server = next(s for s in in_trace if s.name.endswith("PrefillService/Prefill") and s.kind == 2)
     # client span of each hop sits between the two servers
     assert parent(decode_server).service_name == "kvwire-tokenizer" and parent(decode_server).kind == 3
@@ -136,16 +136,16 @@ def test_client_cancel_frees_decode_pages(stack):
     async def run():
         async with grpc.aio.insecure_channel(stack.addr("decode_svc")) as dch:
             decode = pbg.DecodeServiceStub(dch)
-            baseline = (await decode.GetPoolStats(pb.PoolStatsRequest())).free_pages
+            baseline = (await decode.GetPoolStats(pb.GetPoolStatsRequest())).free_pages
             async with grpc.aio.insecure_channel(stack.addr("tokenizer_svc")) as ch:
-                call = pbg.TokenizerServiceStub(ch).Generate(pb.GenerateTextRequest(
+                call = pbg.TokenizerServiceStub(ch).GenerateText(pb.GenerateTextRequest(
                     text="The for statement " * 20, sampling=pb.SamplingParams(max_tokens=1000)))
                 for _ in range(3):
                     await call.read()
-                assert (await decode.GetPoolStats(pb.PoolStatsRequest())).free_pages < baseline
+                assert (await decode.GetPoolStats(pb.GetPoolStatsRequest())).free_pages < baseline
                 call.cancel()
             for _ in range(100):
-                stats = await decode.GetPoolStats(pb.PoolStatsRequest())
+                stats = await decode.GetPoolStats(pb.GetPoolStatsRequest())
                 if stats.free_pages == baseline and stats.running == 0:
                     return True
                 await asyncio.sleep(0.1)
@@ -192,7 +192,7 @@ def test_generated_korean_emoji_cjk_and_combining_marks_stream_without_replaceme
     async def run():
         async with grpc.aio.insecure_channel(stack.addr("tokenizer_svc")) as ch:
             deltas, ids = [], []
-            async for msg in pbg.TokenizerServiceStub(ch).Generate(pb.GenerateTextRequest(
+            async for msg in pbg.TokenizerServiceStub(ch).GenerateText(pb.GenerateTextRequest(
                     text=UNICODE_TEXT, sampling=pb.SamplingParams(max_tokens=len(expected_ids)))):
                 deltas.append(msg.text)
                 ids += msg.token_ids

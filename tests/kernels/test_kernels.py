@@ -42,8 +42,8 @@ def fp8_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def empty_pages(num_pages, block, dtype, garbage=False, seed=0):
     shape = (num_pages, HKV, block, D)
+    g = torch.Generator().manual_seed(seed)
     if garbage:  # stale bytes from a previous owner, NaN bit patterns included
-        g = torch.Generator().manual_seed(seed)
         k = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
         v = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
         if dtype == BF16:  # random bf16 bits: pair up bytes
@@ -53,16 +53,34 @@ def empty_pages(num_pages, block, dtype, garbage=False, seed=0):
             k, v = k.view(FP8), v.view(FP8)
     else:
         k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    scales = (torch.zeros(num_pages, HKV), torch.zeros(num_pages, HKV)) if dtype == FP8 else (None, None)
-    return [k, v, *scales]
+    if dtype != FP8:
+        return [k, v, None, None]
+    sshape = (num_pages, HKV, block)
+    if garbage:  # random bf16 bit patterns (NaN and inf included)
+        ks = torch.randint(-32768, 32768, sshape, dtype=torch.int16, generator=g).view(BF16)
+        return [k, v, ks, torch.randint(-32768, 32768, sshape, dtype=torch.int16, generator=g).view(BF16)]
+    return [k, v, torch.zeros(sshape, dtype=BF16), torch.zeros(sshape, dtype=BF16)]
 
 
 def clone(state):
     return [None if t is None else t.clone() for t in state]
 
 
+def raw(state) -> list[torch.Tensor]:
+    """Bits of pages [P, HKV, B, D(*2)] and scales [P, HKV, B] (int16: one element per slot)."""
+    return [t.view(torch.uint8 if t.dim() == 4 else torch.int16).clone() for t in state if t is not None]
+
+
 def slots_for(table, start, n, block):
     return [table[p // block] * block + p % block for p in range(start, start + n)]
+
+
+def bf16_scale(amax: torch.Tensor) -> torch.Tensor:
+    """First principles, in float64: the smallest bfloat16 s >= amax / 448 (float32 division)."""
+    want = amax.float() / 448
+    near = want.to(BF16)  # the nearest bf16; if it is below, the next one up (positive: bits + 1)
+    up = (near.view(torch.int16) + 1).view(BF16)
+    return torch.where(near.float() >= want, near.float(), up.float())
 
 
 # ---- the reference against first principles ---------------------------------------------------
@@ -73,12 +91,25 @@ def test_write_then_dequantize_round_trips_within_fp8_error():
     slots = torch.tensor(slots_for([2, 0, 3], 0, 40, 16))
     ref.write_kv(k, v, ks, vs, x, -x, slots)
     back = ref.dequantize_pages(k, ks, torch.tensor([2, 0, 3])).transpose(1, 2).reshape(48, HKV, D)[:40]
-    page_scale = ks[torch.tensor([2, 0, 3])].repeat_interleave(16, 0)[:40, :, None]  # [40, HKV, 1]
-    assert ((back - x).abs() <= fp8_bound(x, page_scale)).all()
-    torch.testing.assert_close(ks, vs)  # |-x| == |x|
-    for blk, page in enumerate([2, 0, 3]):  # scales are exactly amax / 448 per (page, head)
-        chunk = x[blk * 16:(blk + 1) * 16]  # [<=16, HKV, D]
-        torch.testing.assert_close(ks[page], chunk.abs().amax(dim=(0, 2)) / 448, rtol=0, atol=0)
+    amax = x.abs().amax(dim=-1)  # [40, HKV]: one scale per (token, head)
+    scale = ks[torch.tensor([2, 0, 3])].transpose(1, 2).reshape(48, HKV)[:40].float()
+    assert ((back - x).abs() <= fp8_bound(x, scale[..., None])).all()
+    assert torch.equal(ks, vs)  # |-x| == |x|
+    ratio = amax / scale  # the largest value lands just under 448: never clipped, stored almost exactly
+    assert (ratio <= 448).all() and (ratio > 448 / (1 + 2 ** -7)).all()
+    peak = back.abs().amax(dim=-1)
+    assert ((peak - amax).abs() <= amax * 2 ** -7).all()
+
+
+def test_token_scale_is_the_smallest_bf16_that_fits():
+    edges = torch.tensor([448.0, 448.0 * 2 ** -20, 448.0 * 2 ** 5, 224.0, 1.0, 1.75, 1.7500001])
+    amax = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(1e9)),
+                      torch.rand(1000).mul(40).sub(30).exp2()])
+    s = ref.token_scale(amax)
+    assert torch.equal(s.to(BF16).float(), s)  # exactly representable: storing it loses nothing
+    assert torch.equal(s, bf16_scale(amax))
+    assert (amax / s <= 448).all()
+    assert ref.token_scale(torch.zeros(1)).item() > 0  # an all-zero token: finite, zero values
 
 
 def test_fp8_to_float_is_torch_cast_for_every_byte():
@@ -89,36 +120,40 @@ def test_fp8_to_float_is_torch_cast_for_every_byte():
     assert ref.fp8_to_float(codes).isfinite().all()
 
 
-def test_scale_growth_requantizes_held_entries():
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_pages_are_append_only(impl):
+    """Writing token t+1 leaves every byte written before identical, scales included, even when
+    the new token is 1000x larger (format 1 grew the page's scale and requantized the page)."""
+    write = (ref if impl == "reference" else tkv).write_kv
+    state = empty_pages(2, 16, FP8)
+    g = torch.Generator().manual_seed(3)
+    for t in range(16):
+        before = raw(state)
+        x = torch.randn(1, HKV, D, generator=g) * 10.0 ** (t % 4 - 1)
+        write(*state, x, x * 3, torch.tensor([16 + t]))  # page 1, offset t
+        for b, a in zip(before, raw(state)):
+            changed = (b != a).any(-1) if b.dim() == 4 else b != a  # [pages, HKV, block]
+            assert not changed[0].any() and not changed[1, :, :t].any() and not changed[1, :, t + 1:].any()
+
+
+def test_one_call_writes_the_bytes_of_one_token_at_a_time():
+    """Several tokens of a page in one call (speculative verification), in any slot order."""
+    x = torch.randn(20, HKV, D) * torch.logspace(-2, 2, 20)[:, None, None]
+    slots = torch.tensor(slots_for([1, 3], 5, 20, 16))
+    batched, single = empty_pages(4, 16, FP8), empty_pages(4, 16, FP8)
+    perm = torch.randperm(20)
+    ref.write_kv(*batched, x[perm], -x[perm], slots[perm])
+    for i in range(20):
+        ref.write_kv(*single, x[i:i + 1], -x[i:i + 1], slots[i:i + 1])
+    assert all(torch.equal(a, b) for a, b in zip(raw(batched), raw(single)))
+
+
+def test_zero_tokens_are_finite_zeros():
     k, v, ks, vs = empty_pages(2, 16, FP8)
-    small = torch.randn(5, HKV, D) * 0.01
-    ref.write_kv(k, v, ks, vs, small, small, torch.arange(16, 21))  # page 1, offsets 0..4
-    old_scale, held = ks[1].clone(), ref.dequantize_pages(k, ks, torch.tensor([1]))[0]
-    big = torch.randn(1, HKV, D) * 10
-    ref.write_kv(k, v, ks, vs, big, big, torch.tensor([21]))
-    new_scale = big.abs().amax(dim=(0, 2)) / 448
-    torch.testing.assert_close(ks[1], torch.maximum(old_scale, new_scale), rtol=0, atol=0)
-    # Held entries: dequantized with the old scale, quantized with the new one.
-    expect = ref.quantize_fp8(held, ks[1][:, None, None])
-    assert torch.equal(k[1].view(torch.uint8), torch.where(
-        torch.arange(16)[None, :, None] == 5, k[1], expect).view(torch.uint8))
-    after = ref.dequantize_pages(k, ks, torch.tensor([1]))[0]  # [HKV, 16, D]
-    assert ((after[:, :5] - small.transpose(0, 1)).abs()
-            <= fp8_bound(small.transpose(0, 1), ks[1][:, None, None]) * 2).all()
-    # A smaller token later leaves the scale (and the page) alone.
-    before, scale_before = k[1].clone(), ks[1].clone()
-    ref.write_kv(k, v, ks, vs, small[:1], small[:1], torch.tensor([22]))  # offset 6
-    assert torch.equal(ks[1], scale_before)
-    assert torch.equal(before[:, :6].view(torch.uint8), k[1, :, :6].view(torch.uint8))
-
-
-def test_fresh_page_is_scrubbed_and_zero_tokens_are_finite():
-    k, v, ks, vs = empty_pages(2, 16, FP8, garbage=True)
-    ks.zero_(), vs.zero_()  # the caller's contract for a freshly allocated page
     zeros = torch.zeros(3, HKV, D)
     ref.write_kv(k, v, ks, vs, zeros, zeros, torch.arange(3))
-    assert (ks[0] > 0).all() and torch.equal(ref.dequantize_pages(k, ks, torch.tensor([0])),
-                                             torch.zeros(1, HKV, 16, D))
+    assert (ks[0, :, :3] > 0).all() and (ks[0, :, 3:] == 0).all()
+    assert torch.equal(ref.dequantize_pages(k, ks, torch.tensor([0])), torch.zeros(1, HKV, 16, D))
 
 
 def test_bf16_pages_are_a_plain_cast():
@@ -133,7 +168,8 @@ def test_bf16_pages_are_a_plain_cast():
 
 def build_cache(block, dtype, ctx_lens, window, num_pages=24, seed=0):
     """Pages for len(ctx_lens) sequences written like the engine does: a prefill of all but the
-    last two tokens (several sequences in one call), then two one-token decode writes.
+    last two tokens (several sequences in one call), then two one-token decode writes, tokens of
+    widely different magnitudes.
     Returns (state, block_tables [S, max_blocks] int32) with released pages as -1 (NaN-filled)."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_pages, generator=g).tolist()
@@ -148,7 +184,7 @@ def build_cache(block, dtype, ctx_lens, window, num_pages=24, seed=0):
              [(t, n - 1, 1) for t, n in zip(tables, ctx_lens)]]
     for step in steps:
         slots = torch.tensor([s for t, start, n in step for s in slots_for(t, start, n, block)])
-        grow = 1.0 + 3.0 * torch.rand(len(slots), 1, 1, generator=g)  # later tokens: bigger scales
+        grow = torch.rand(len(slots), 1, 1, generator=g).mul(4).sub(2).exp2()  # 2**-2 .. 2**2
         kn = torch.randn(len(slots), HKV, D, generator=g) * grow
         vn = torch.randn(len(slots), HKV, D, generator=g) * grow
         ref.write_kv(*state, kn, vn, slots)
@@ -200,9 +236,7 @@ def test_reference_attention_matches_per_sequence_sdpa(dtype, window):
 @pytest.mark.parametrize("block", [16, 32])
 def test_triton_write_and_dequantize_match_reference_bytes(block, dtype):
     g = torch.Generator().manual_seed(1)
-    ours = empty_pages(8, block, dtype, garbage=True, seed=2)
-    if dtype == FP8:  # freshly allocated pages: scales reset, bytes left as they were
-        ours[2].zero_(), ours[3].zero_()
+    ours = empty_pages(8, block, dtype, garbage=True, seed=2)  # stale bytes: a write must not read them
     theirs = clone(ours)
     tables = [[5, 1, 6], [2, 7]]
     steps = [[(tables[0], 0, block + 3), (tables[1], 0, 5)],  # prefill, two sequences, one call
@@ -210,13 +244,18 @@ def test_triton_write_and_dequantize_match_reference_bytes(block, dtype):
              [(tables[1], 6, block)]]  # a verify-sized run crossing a page boundary
     for i, step in enumerate(steps):
         slots = torch.tensor([s for t, start, n in step for s in slots_for(t, start, n, block)])
-        x = torch.randn(len(slots), HKV, D, generator=g) * (1 + 4 * i)  # scales grow each step
+        x = torch.randn(len(slots), HKV, D, generator=g) * torch.rand(len(slots), 1, 1, generator=g).mul(40).sub(20).exp2()
+        if i == 0:  # edge cases: all zero, exact powers of two / scale boundaries, e4m3 ties, subnormals
+            x[0] = 0.0
+            x[1, :, :4] = torch.tensor([448.0, -448.0, 1.75, 2.0 ** -9])
+            x[2] = torch.arange(D).float() * 2.0 ** -10 + 2.0 ** -7  # tiny next to the token's max
+            x[3, :, 0] = 448.0 * 1.0000001
+            x[4] = torch.tensor([1.0 + 2 ** -4, 1.0 + 3 * 2 ** -4, 2 ** -7 + 2 ** -10, 3.0]).repeat(D // 4)
         ref.write_kv(*ours, x, -x * 0.5, slots)
         tkv.write_kv(*theirs, x, -x * 0.5, slots)
-        for a, b in zip(ours, theirs):
-            if a is not None:
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"step {i}"
-    ids = torch.tensor([5, 1, 2, 7])  # the written pages (page 6 is still unallocated garbage)
+        for a, b in zip(raw(ours), raw(theirs)):
+            assert torch.equal(a, b), f"step {i}"
+    ids = torch.tensor([5, 1, 6, 2, 7])  # page 6: written, plus stale bytes past the written slots
     for pages, scales in ((ours[0], ours[2]), (ours[1], ours[3])):
         torch.testing.assert_close(tkv.dequantize_pages(pages, scales, ids),
                                    ref.dequantize_pages(pages, scales, ids), rtol=0, atol=0, equal_nan=True)
@@ -234,3 +273,21 @@ def test_triton_decode_attention_matches_reference(block, ratio, window, dtype):
     got = tkv.paged_decode_attention(q, *state, bt, ctx, window, D ** -0.5)
     assert got.isfinite().all()  # released (NaN) pages were never read
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
+def test_one_row_per_query_is_bitwise_the_one_token_call(impl, window):
+    """How a speculative verification attends in one call: each of a sequence's k+1 queries is
+    a row with the sequence's block table and its own context length. Every row must give
+    exactly (bit for bit) what a one-token decode at that position gives, tables cut to the
+    pages it has then."""
+    attn = (ref if impl == "reference" else tkv).paged_decode_attention
+    state, bt = build_cache(16, FP8, [70], window)
+    n = 6  # positions 64..69 (the last page, partly filled, and the one before)
+    q = torch.randn(n, 4 * HKV, D)
+    ctx = torch.arange(65, 71, dtype=torch.int32)
+    together = attn(q, *state, bt.repeat(n, 1), ctx, window, D ** -0.5)
+    for i in range(n):
+        alone = attn(q[i:i + 1], *state, bt[:, :-(-int(ctx[i]) // 16)], ctx[i:i + 1], window, D ** -0.5)
+        assert torch.equal(together[i:i + 1], alone), i

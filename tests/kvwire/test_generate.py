@@ -7,7 +7,7 @@ import transformers
 
 from kvwire.generate import generate, generate_stream
 from kvwire.model.loader import load_model
-from kvwire.sampling import SamplingParams
+from kvwire.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,17 @@ hide KV errors): its logits have a std of about 0.7.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
 
 from kvwire.config import KVDtype
 from kvwire.kv.dense import DenseKVCache
-from kvwire.kv.paged import PagedKVCache
+from kvwire.kv.paged import MAX_PAGED_QUERIES, PagedKVCache
 from kvwire.kv.pool import RELEASED, OutOfPages
-from kvwire.kv.spec import KVPageSpec
+from kvwire.kv.spec import KVPageSpec, ScaleDtype, ScaleGranularity
 from kvwire.model.loader import load_model
 
 VOCAB = 256
@@ -149,3 +151,100 @@ def test_sliding_window_memory_flat_and_greedy_matches_transformers(mistral):
     assert max(used) <= 6 and used[-1] == used[-20]
     assert cache.page_ids(0)[0] == RELEASED and cache.length(0) == 69
     assert tokens == expect
+
+
+# ---- format 2: append-only pages, one-call verification, exact rollback ---------------------------
+
+def write_step(cache, seq_lens: dict[int, int], g: torch.Generator, scale: float = 1.0) -> None:
+    """One step straight through the cache's own write + attend (random K/V, every layer)."""
+    seqs = list(seq_lens)
+    n = sum(seq_lens.values())
+    cache.prepare(seqs, [seq_lens[s] for s in seqs])
+    cfg = cache.cfg
+    for layer in range(cfg.num_layers):
+        k, v = (torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g) * scale for _ in range(2))
+        q = torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g)
+        assert cache.attend(layer, q, k, v, None).isfinite().all()
+
+
+def cache_bytes(cache) -> list[torch.Tensor]:
+    return [t.clone() for t in cache._tensors()]
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.FP8_E4M3, KVDtype.BF16], ids=["fp8", "bf16"])
+def test_truncate_then_rewrite_equals_writing_fresh(llama, dtype):
+    """Rejected tokens leave no trace: not in kept pages (their slots are zeroed), not in pages
+    given back and handed out again (zeroed on allocation)."""
+    rewritten, fresh = paged(llama, dtype, num_pages=8), paged(llama, dtype, num_pages=8)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for cache, g in ((rewritten, g1), (fresh, g2)):
+        write_step(cache, {0: 30}, g)  # pages 0, 1
+        write_step(cache, {0: 1}, g)
+    write_step(rewritten, {0: 6}, torch.Generator().manual_seed(6), scale=100.0)  # into page 2
+    assert rewritten.page_ids(0) == [0, 1, 2]
+    rewritten.truncate(0, 31)  # all 6 rejected: page 2 goes back, page 1 keeps slot 14 only
+    assert rewritten.page_ids(0) == [0, 1] and rewritten.stats()["used"] == 2
+    for cache in (rewritten, fresh):
+        write_step(cache, {0: 3}, torch.Generator().manual_seed(7))  # page 2 again
+    assert rewritten.page_ids(0) == fresh.page_ids(0) == [0, 1, 2]
+    assert all(torch.equal(a, b) for a, b in zip(cache_bytes(rewritten), cache_bytes(fresh)))
+
+
+def test_a_step_never_changes_bytes_already_written(llama):
+    cache = paged(llama, num_pages=8)
+    g = torch.Generator().manual_seed(8)
+    write_step(cache, {0: 5}, g)
+    for n, scale in ((1, 1000.0), (4, 0.001), (9, 50.0)):  # huge, tiny, across a page boundary
+        before, start = cache_bytes(cache), cache.length(0)
+        write_step(cache, {0: n}, g, scale)
+        for b, a in zip(before, cache_bytes(cache)):
+            for p, page in enumerate(cache.page_ids(0)):
+                lo = min(max(start - p * 16, 0), 16)  # slots of this page written before the step
+                assert torch.equal(b[:, page, :, :lo], a[:, page, :, :lo])
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.FP8_E4M3, KVDtype.BF16], ids=["fp8", "bf16"])
+def test_multi_token_step_equals_one_token_steps(llama, dtype):
+    """Speculative verification in one call: k+1 tokens per sequence, two sequences, written
+    together and attending causally among themselves, give the logits of feeding them one at a
+    time; rollback is then a truncate. The attention is bit for bit the one-token kernel's (see
+    tests/kernels); what remains is the matmuls' float32 round-off, which on CPU BLAS depends on
+    the number of rows (measured max |dlogit| 2e-6)."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (14, 29)]
+    drafts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 3)]
+    m = llama.model
+    batched, single = paged(llama, dtype), paged(llama, dtype)
+    for cache in (batched, single):
+        m(torch.cat(prompts), cache.prepare([0, 1], [14, 29]), cache)
+    got = m(torch.cat(drafts), batched.prepare([0, 1], [5, 3]), batched).split([5, 3])
+    for seq, d, rows in zip((0, 1), drafts, got):
+        expect = torch.cat([m(d[i:i + 1], single.prepare([seq], [1]), single) for i in range(len(d))])
+        torch.testing.assert_close(rows, expect, rtol=0, atol=1e-4)
+        assert torch.equal(rows.argmax(-1), expect.argmax(-1))
+    batched.truncate(0, 14 + 2)  # accept 2 of 5
+    nxt = torch.tensor([7])
+    single.truncate(0, 14 + 2)
+    torch.testing.assert_close(m(nxt, batched.prepare([0], [1]), batched),
+                               m(nxt, single.prepare([0], [1]), single), rtol=0, atol=1e-4)
+
+
+def test_format_1_spec_is_refused(llama):
+    old = dataclasses.replace(KVPageSpec.for_model(llama.config), scale_granularity=ScaleGranularity.PER_PAGE_HEAD,
+                              scale_dtype=ScaleDtype.FLOAT32, format_version=1)
+    with pytest.raises(ValueError, match="not supported by this build"):
+        PagedKVCache(llama.config, old, 8)
+
+
+def test_long_chunk_after_context_matches_dense(llama):
+    """More than MAX_PAGED_QUERIES new tokens after context take the dequantize + sdpa path."""
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(0, VOCAB, (90,), generator=g)
+    cache, dense = paged(llama, KVDtype.BF16), DenseKVCache(llama.config, 1, 96)
+    m = llama.model
+    for cc in (cache, dense):
+        m(ids[:10], cc.prepare([0], [10]), cc)
+    n = MAX_PAGED_QUERIES + 6
+    got = m(ids[10:10 + n], cache.prepare([0], [n]), cache)
+    expect = m(ids[10:10 + n], dense.prepare([0], [n]), dense)
+    assert (got - expect).abs().max().item() < 0.05

@@ -8,7 +8,7 @@ import transformers
 from kvwire.generate import generate
 from kvwire.kv.dense import DenseKVCache
 from kvwire.model.loader import load_model
-from kvwire.sampling import SamplingParams
+from kvwire.sampling_params import SamplingParams
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
               num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvwire.sampler import probabilities, sample
-from kvwire.sampling import SamplingParams
+from kvwire.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, msg", [

@@ -13,16 +13,17 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from kvwire import errors
 from kvwire.serving import GrpcServer, build_channel
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pb_grpc
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 
 SERVICE = "kvwire.v1.TokenizerService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 RAISES = {
-    "invalid": errors.InvalidArgument("max_tokens must be positive"),
-    "value": ValueError("top_p must be in (0, 1]"),
+    "invalid": errors.InvalidRequest("max_tokens must be positive"),
+    "request": errors.InvalidRequest("top_p must be in (0, 1]"),
+    "value": ValueError("an internal invariant broke"),
     "notfound": errors.NotFound("no such request"),
     "exhausted": errors.ResourceExhausted("pool full"),
     "precondition": errors.FailedPrecondition("fingerprint mismatch: weights_sha256 a != b"),
@@ -38,7 +39,7 @@ class Servicer(pb_grpc.TokenizerServiceServicer):
     async def _act(self, text: str) -> None:
         if text == "peer":
             async with build_channel("127.0.0.1:1") as ch:
-                await pb_grpc.DecodeServiceStub(ch).GetPoolStats(pb.PoolStatsRequest(), timeout=5)
+                await pb_grpc.DecodeServiceStub(ch).GetPoolStats(pb.GetPoolStatsRequest(), timeout=5)
         if text in RAISES:
             raise RAISES[text]
         if text == "slow":
@@ -48,7 +49,7 @@ class Servicer(pb_grpc.TokenizerServiceServicer):
         await self._act(request.text)
         return pb.TokenizeResponse(token_ids=[1, 2, 3])
 
-    async def Generate(self, request, context):
+    async def GenerateText(self, request, context):
         yield pb.GenerateTextResponse(text="first")
         await self._act(request.text)
         yield pb.GenerateTextResponse(text="last", finish_reason=pb.FINISH_REASON_STOP)
@@ -102,12 +103,13 @@ def test_reflection_lists_services_to_the_stock_client():
         finally:
             await server.stop(0)
         assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
-        assert methods == {"Generate", "Tokenize", "Detokenize"}
+        assert methods == {"GenerateText", "Tokenize", "Detokenize"}
     asyncio.run(main())
 
 
 EXPECTED = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT, "value": grpc.StatusCode.INVALID_ARGUMENT,
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT, "request": grpc.StatusCode.INVALID_ARGUMENT,
+    "value": grpc.StatusCode.INTERNAL,  # a ValueError from our own code is a bug, not bad input
     "notfound": grpc.StatusCode.NOT_FOUND, "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "precondition": grpc.StatusCode.FAILED_PRECONDITION, "dataloss": grpc.StatusCode.DATA_LOSS,
     "unavailable": grpc.StatusCode.UNAVAILABLE, "boom": grpc.StatusCode.INTERNAL,
@@ -127,7 +129,7 @@ def test_errors_map_to_status_codes_for_unary_and_streaming():
                         await stub.Tokenize(pb.TokenizeRequest(text=text))
                     received = []
                     with pytest.raises(grpc.aio.AioRpcError) as streaming:
-                        async for msg in stub.Generate(pb.GenerateTextRequest(text=text)):
+                        async for msg in stub.GenerateText(pb.GenerateTextRequest(text=text)):
                             received.append(msg.text)
                     assert received == ["first"]  # messages before the error still arrive
                     got[text] = (unary.value.code(), unary.value.details(),
@@ -139,7 +141,8 @@ def test_errors_map_to_status_codes_for_unary_and_streaming():
         for text, code in EXPECTED.items():
             assert got[text][0] == code and got[text][2] == code, (text, got[text])
         assert got["dataloss"][1] == "crc32 mismatch in layer 3"
-        assert got["value"][3] == "top_p must be in (0, 1]"
+        assert got["request"][3] == "top_p must be in (0, 1]"
+        assert "invariant" not in got["value"][1] and "ValueError" in got["value"][1]
         assert "secret" not in got["boom"][1] and "RuntimeError" in got["boom"][1]
     asyncio.run(main())
 

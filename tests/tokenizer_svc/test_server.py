@@ -7,8 +7,8 @@ import pytest
 
 from kvwire.serving import GrpcServer, build_channel
 from kvwire.tokenizer import ChatMessage
-from protos import kvwire_pb2 as pb
-from protos import kvwire_pb2_grpc as pb_grpc
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.detokenizer import REPLACEMENT
 from tokenizer_svc.server import SERVICE_NAME, TokenizerServicer
 
@@ -22,7 +22,7 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
         self.cancelled = asyncio.Event()
         self.sent = 0
 
-    async def Generate(self, request, context):
+    async def GenerateTokens(self, request, context):
         self.requests.append(request)
         completed = False
         try:
@@ -72,7 +72,7 @@ def run(coro):
 
 
 async def collect(stub, request):
-    return [m async for m in stub.Generate(request)]
+    return [m async for m in stub.GenerateText(request)]
 
 
 def test_tokenize_detokenize_round_trip(tokenizer):
@@ -110,7 +110,7 @@ def test_generate_streams_deltas_with_their_token_ids(tokenizer):
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(tokenizer.encode("Hi")), len(reply))
     [req] = decode.requests
-    assert req.request_id == "r1" and list(req.prompt_token_ids) == tokenizer.encode("Hi")
+    assert req.request_id.startswith("r1.") and list(req.prompt_token_ids) == tokenizer.encode("Hi")
     assert (req.sampling.max_tokens, req.sampling.temperature, req.sampling.seed) == (len(reply), 0.5, 7)
     assert req.sampling.top_p == 1.0  # defaults are filled in explicitly
 
@@ -132,7 +132,7 @@ def test_stop_string_truncates_and_cancels_decode(tokenizer):
 
     async def main():
         async with stack(tokenizer, decode) as stub:
-            msgs = await collect(stub, pb.GenerateTextRequest(text="x", stop=["never", "STOP"]))
+            msgs = await collect(stub, pb.GenerateTextRequest(text="x", stops=["never", "STOP"]))
             await asyncio.wait_for(decode.cancelled.wait(), 5)
             return msgs
     msgs = run(main())
@@ -151,9 +151,9 @@ def test_stop_string_truncates_and_cancels_decode(tokenizer):
     ({"text": "x", "sampling": pb.SamplingParams(top_p=1.5)}, "top_p"),
     ({"text": "x", "sampling": pb.SamplingParams(top_k=-2)}, "top_k"),
     ({"text": "x", "sampling": pb.SamplingParams(stop_token_ids=[10**6])}, "stop_token_ids"),
-    ({"text": "x", "stop": ["s"] * 17}, "at most 16"),
-    ({"text": "x", "stop": ["s" * 257]}, "at most 256"),
-    ({"text": "x", "stop": [""]}, "stop[0] is empty"),
+    ({"text": "x", "stops": ["s"] * 17}, "at most 16"),
+    ({"text": "x", "stops": ["s" * 257]}, "at most 256"),
+    ({"text": "x", "stops": [""]}, "stops[0] is empty"),
 ])
 def test_invalid_requests_are_refused_before_decode(tokenizer, request_kwargs, words):
     decode = FakeDecode([1])
@@ -174,7 +174,7 @@ def test_client_cancel_cancels_the_decode_call(tokenizer):
 
     async def main():
         async with stack(tokenizer, decode) as stub:
-            call = stub.Generate(pb.GenerateTextRequest(text="go"))
+            call = stub.GenerateText(pb.GenerateTextRequest(text="go"))
             got = [await call.read(), await call.read()]
             call.cancel()
             await asyncio.wait_for(decode.cancelled.wait(), 5)
@@ -206,9 +206,9 @@ def test_one_trace_across_the_hop_with_genai_attributes(tokenizer):
             await collect(stub, pb.GenerateTextRequest(text="Hi", sampling=pb.SamplingParams(max_tokens=9)))
     run(main())
     spans = {(s.name, s.kind.name): s for s in exporter.get_finished_spans()}
-    front = spans[("/kvwire.v1.TokenizerService/Generate", "SERVER")]
-    to_decode = spans[("/kvwire.v1.DecodeService/Generate", "CLIENT")]
-    at_decode = spans[("/kvwire.v1.DecodeService/Generate", "SERVER")]
+    front = spans[("/kvwire.v1.TokenizerService/GenerateText", "SERVER")]
+    to_decode = spans[("/kvwire.v1.DecodeService/GenerateTokens", "CLIENT")]
+    at_decode = spans[("/kvwire.v1.DecodeService/GenerateTokens", "SERVER")]
     assert len({front.context.trace_id, to_decode.context.trace_id, at_decode.context.trace_id}) == 1
     assert to_decode.parent.span_id == front.context.span_id
     assert at_decode.parent.span_id == to_decode.context.span_id

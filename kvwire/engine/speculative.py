@@ -1,11 +1,13 @@
-"""Speculative decoding as pure functions: n-gram proposals, the acceptance rule, adapting k.
+"""Speculative decoding: n-gram proposals, the acceptance rule, adapting k, and the decode step.
 
-No model, cache, asyncio or gRPC here (gpt-fast's ``speculative_decode`` split): the engine asks
-for proposals, runs one target forward over ``[pending token] + proposals`` and hands the logits
-to ``accept_greedy`` / ``accept_sampled``, which say which tokens come out of the step.
+The rules are pure functions (gpt-fast's ``speculative_decode`` split); ``decode_step`` drives
+them over a ModelRunner: proposals (n-gram lookup, or the draft model batched over the requests
+that use it), one target forward over ``[pending token] + proposals`` for every request of the
+batch at once, then ``accept_greedy`` / ``accept_sampled`` say which tokens come out (1..k + 1).
+Requests with and without speculation, and with different k, share that forward.
 
 Reproducibility: every random draw is derived from (seed, index of the generated token), as in
-``kvwire.sampling``: the acceptance uniform and the residual sample for generated token i come from
+``kvwire.sampler``: the acceptance uniform and the residual sample for generated token i come from
 ``step_generator(seed, i)``, the draft's proposal for token i from ``draft_generator(seed, i)``. So a
 seeded request gives the same tokens whatever it was batched with.
 """
@@ -17,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvwire import metrics
 from kvwire.sampler import probabilities, sample, step_generator
-from kvwire.sampling import SamplingParams
+from kvwire.sampling_params import SamplingParams, SpeculativeMode
 
 _DRAFT_SALT = 0x5EC0_D4AF_7000  # separates the draft's proposal draws from the target's draws
 
@@ -132,10 +135,87 @@ def adapt_k(k: int, proposed: int, accepted: int, k_max: int) -> int:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """decode_svc's speculative decoding defaults (built once in ``__main__``)."""
+    """The engine's speculative decoding defaults (built once, e.g. in decode_svc's ``__main__``)."""
 
-    mode: str = "none"  # a request's speculative=None means this: "none" | "draft" | "ngram"
+    mode: SpeculativeMode = SpeculativeMode.NONE  # what a request's speculative=None means
     num_tokens: int = 4  # k when a request does not set num_speculative_tokens
     adaptive: bool = True  # adapt k per request to its acceptance (adapt_k), at most the requested k
     ngram_max: int = 3  # n-gram lookup tries suffixes of ngram_max .. ngram_min tokens
     ngram_min: int = 1
+
+
+# ---- the engine's decode step ---------------------------------------------------------------------
+
+def num_proposals(req, draft_max_positions: int | None) -> int:
+    """Proposals for ``req`` this step. Never past max_tokens: the step's last token (correction or
+    bonus) is the last one allowed, so the sequence never outgrows its page reservation."""
+    k = min(req.k, req.params.max_tokens - req.generated - 1)
+    if req.mode is SpeculativeMode.DRAFT and len(req.context) + k > (draft_max_positions or 0):
+        return 0
+    return max(0, k)
+
+
+def decode_step(runner, batch, cfg: SpecConfig) -> list[tuple[list[int], int]]:
+    """One decode iteration over ``batch`` (requests with their KV in place): proposals, one
+    batched target forward that verifies them, acceptance, rollback. Runs where the runner lives
+    (one thread). Returns (tokens to emit, number proposed) per request."""
+    draft_positions = runner.draft.model_config.max_position_embeddings if runner.draft is not None else None
+    ks = [num_proposals(r, draft_positions) for r in batch]
+    props: list[list[int]] = [[] for _ in batch]
+    qs: list = [None] * len(batch)
+    for i, r in enumerate(batch):
+        if r.mode is SpeculativeMode.NGRAM and ks[i]:
+            props[i] = ngram_propose(r.context, ks[i], cfg.ngram_max, cfg.ngram_min)
+    drafting = [i for i, r in enumerate(batch) if r.mode is SpeculativeMode.DRAFT and ks[i]]
+    if drafting:
+        drafts = runner.propose([batch[i].seq for i in drafting], [batch[i].context for i in drafting],
+                                [ks[i] for i in drafting], [batch[i].params for i in drafting],
+                                [batch[i].generated for i in drafting])
+        for i, (tokens, q) in zip(drafting, drafts):
+            props[i], qs[i] = tokens, q
+    logits = runner.step([r.seq for r in batch], [[r.context[-1], *p] for r, p in zip(batch, props)])
+    results = []
+    for r, p, q, rows in zip(batch, props, qs, logits):
+        if not p:
+            tokens = [sample(rows[-1], r.params, r.generated)]
+        elif r.params.greedy:
+            tokens = accept_greedy(rows, p)
+        else:
+            tokens = accept_sampled(rows, p, q, r.params, r.generated)
+        if p:
+            runner.keep(r.seq, len(tokens))  # the fed token + the accepted proposals
+        if r.mode is SpeculativeMode.DRAFT:
+            runner.draft_truncate(r.seq, len(r.context) + len(tokens) - 1)
+        results.append((tokens, len(p)))
+    return results
+
+
+def record(req, proposed: int, accepted: int, cfg: SpecConfig) -> None:
+    """Count one verification step of ``req`` (and adapt its k)."""
+    req.spec_steps += 1
+    req.drafted += proposed
+    req.accepted += accepted
+    if cfg.adaptive:
+        req.k = adapt_k(req.k, proposed, accepted, req.k_max)
+    mode = req.mode.value
+    metrics.SPEC_DRAFTS.labels(mode).inc()
+    metrics.SPEC_DRAFT_TOKENS.labels(mode).inc(proposed)
+    metrics.SPEC_ACCEPTED_TOKENS.labels(mode).inc(accepted)
+    metrics.SPEC_EMITTED_TOKENS.labels(mode).inc(accepted + 1)
+
+
+def report(req) -> dict:
+    """The decode span's speculative attributes (and the per-request histograms)."""
+    attrs = {"kvwire.spec.mode": req.mode.value}
+    if req.mode is SpeculativeMode.NONE:
+        return attrs
+    rate = req.accepted / req.drafted if req.drafted else 0.0
+    per_step = req.accepted / req.spec_steps if req.spec_steps else 0.0
+    if req.drafted:
+        metrics.SPEC_REQ_ACCEPTANCE.labels(req.mode.value).observe(rate)
+        metrics.SPEC_REQ_ACCEPTED_PER_STEP.labels(req.mode.value).observe(per_step)
+    return {**attrs, "kvwire.spec.num_speculative_tokens": req.k_max, "kvwire.spec.steps": req.spec_steps,
+            "kvwire.spec.num_draft_tokens": req.drafted, "kvwire.spec.num_accepted_tokens": req.accepted,
+            "kvwire.spec.acceptance_rate": round(rate, 4),
+            "kvwire.spec.mean_accepted_tokens_per_step": round(per_step, 4),
+            "kvwire.spec.mean_tokens_per_step": round((req.generated - 1) / req.steps, 4) if req.steps else 0.0}

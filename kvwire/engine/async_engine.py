@@ -1,0 +1,115 @@
+"""AsyncEngine: the engine under an event loop, for servers (decode_svc is a gRPC shell over it).
+
+One asyncio task runs the step loop: ``schedule()`` admits requests (their ``generate`` call then
+fills their KV through the KV sources, in the request's own trace context) and names the running
+ones; one decode step over those runs in the worker thread; ``update()`` hands each request its
+tokens. Requests join (after their KV is filled) and leave (finished, failed or cancelled) between
+steps. Every runner call goes through one single-thread executor in submission order, so a
+request's pages are freed only after any step, prefill or import already queued for it:
+cancellation at any moment never leaks or reuses a page.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from opentelemetry import trace
+
+from kvwire.engine import speculative as spec
+from kvwire.engine.core import EngineCore
+from kvwire.engine.kv_source import KVSources
+from kvwire.engine.request import RequestOutput, RequestStatus
+from kvwire.sampling_params import KVSourceChoice, SamplingParams
+
+tracer = trace.get_tracer("kvwire.engine")
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, sources: KVSources):
+        self.core, self.sources = core, sources
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._admitted: dict[str, asyncio.Event] = {}
+        self._outputs: dict[str, asyncio.Queue] = {}
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def runtime(self):
+        return self.core.runner.runtime
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+
+    async def run(self, fn, *args):
+        """Run ``fn(*args)`` on the runner's thread, after everything already queued there."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                       kv_source: KVSourceChoice = KVSourceChoice.AUTO) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the last one carries the finish reason. Closing the
+        iterator (or cancelling the task reading it) aborts the request and frees its pages."""
+        req = self.core.add_request(request_id or uuid.uuid4().hex, prompt, params, kv_source)
+        admitted, outputs = asyncio.Event(), asyncio.Queue()
+        self._admitted[req.request_id], self._outputs[req.request_id] = admitted, outputs
+        decode_span = None
+        try:
+            self._work.set()
+            await admitted.wait()
+            first = self.core.start(req, await self.sources.fill(req, self.run))
+            yield first
+            if first.finished:
+                return
+            decode_span = tracer.start_span("decode", attributes={"kvwire.kv.source": req.kv_source_used})
+            self._work.set()
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._admitted.pop(req.request_id, None)
+            self._outputs.pop(req.request_id, None)
+            self.core.release(req)
+            self.executor.submit(self.core.runner.free, req.seq)  # after anything queued for it
+            if decode_span is not None:
+                decode_span.set_attributes({"gen_ai.usage.output_tokens": req.generated,
+                                            "kvwire.decode.steps": req.steps, **spec.report(req)})
+                decode_span.end()
+            self._work.set()  # its reservation is back: admission may proceed
+
+    async def _loop(self) -> None:
+        while True:
+            batch = self.core.schedule()
+            for req in batch.admitted:
+                event = self._admitted.get(req.request_id)
+                if event is not None:
+                    event.set()
+            if not batch.decode:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            try:
+                results = await self.run(self.core.execute, batch)
+            except Exception as e:  # noqa: BLE001 - the requests in the step fail, the loop goes on
+                for req in batch.decode:
+                    req.status = RequestStatus.FINISHED
+                    queue = self._outputs.get(req.request_id)
+                    if queue is not None:
+                        queue.put_nowait(e)
+                continue
+            for out in self.core.update(batch, results):
+                queue = self._outputs.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    def stats(self) -> dict[str, int]:
+        return self.core.stats()
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=False)

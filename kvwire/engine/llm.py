@@ -1,0 +1,163 @@
+"""LLM: the in-process engine, usable with no server (nano-vllm's interface).
+
+    from kvwire import LLM, SamplingParams
+    llm = LLM("models/kvwire-tiny", weights="int8", kv_dtype="fp8_e4m3")
+    [out] = llm.generate(["The cat"], SamplingParams(max_tokens=16))
+    for delta in llm.stream("The cat", SamplingParams(max_tokens=16)): ...
+    rid = llm.add_request([1, 2, 3], SamplingParams()); outputs = llm.step()
+
+Paged FP8 (or bf16) KV, continuous batching, speculative decoding: the same EngineCore
+decode_svc serves from, driven synchronously here. KV comes from the local prefill (the same
+KVSource protocol the server's remote prefill implements); calls must come from one thread.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from kvwire.config import KVDtype, QuantMode
+from kvwire.engine.core import EngineCore
+from kvwire.engine.kv_source import LocalPrefill
+from kvwire.engine.request import Completion, RequestOutput
+from kvwire.engine.runner import ModelRunner
+from kvwire.engine.scheduler import SchedulerConfig
+from kvwire.engine.speculative import SpecConfig
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.sampling_params import SamplingParams, SpeculativeMode
+
+Prompt = str | Sequence[int]
+
+
+def _run_inline(fn, *args):
+    async def call():
+        return fn(*args)
+    return call()
+
+
+def _now(coro):
+    """Run a coroutine that completes without suspending (a local KV fill) to its result."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("this KV source waits on I/O; use kvwire.engine.AsyncEngine")
+
+
+class LLM:
+    def __init__(self, model: str | Path, *, weights: QuantMode | str = QuantMode.NONE,
+                 kv_dtype: KVDtype | str = KVDtype.FP8_E4M3, block_size: int = 16, num_pages: int = 512,
+                 device: str = "cpu", draft_model: str | Path | None = None,
+                 draft_kv_dtype: KVDtype | str = KVDtype.BF16,
+                 speculative: SpeculativeMode | str = SpeculativeMode.NONE, num_speculative_tokens: int = 4,
+                 speculative_adaptive: bool = True, prefix_caching: bool = False, max_running: int = 16,
+                 max_waiting: int = 1024):
+        cfg = EngineConfig(model_dir=Path(model), weights=QuantMode(weights), kv_dtype=KVDtype(kv_dtype),
+                           block_size=block_size, num_pages=num_pages, device=device)
+        self.runtime = load_engine(cfg)
+        draft = None
+        if draft_model is not None:
+            draft = load_engine(EngineConfig(model_dir=Path(draft_model), kv_dtype=KVDtype(draft_kv_dtype),
+                                             block_size=block_size, num_pages=num_pages, device=device))
+        self.tokenizer = self._tokenizer(cfg.model_dir)
+        eos = set(self.runtime.model_config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
+        runner = ModelRunner(self.runtime, num_pages, draft, prefix_caching=prefix_caching)
+        self.core = EngineCore(runner, SchedulerConfig(num_pages, max_running, max_waiting),
+                               SpecConfig(mode=SpeculativeMode(speculative), num_tokens=num_speculative_tokens,
+                                          adaptive=speculative_adaptive), eos)
+        self.kv_source = LocalPrefill(runner)
+
+    @staticmethod
+    def _tokenizer(model_dir: Path):
+        try:
+            from kvwire.tokenizer import ModelTokenizer
+            return ModelTokenizer(model_dir)
+        except Exception:  # noqa: BLE001 - token ids still work without one
+            return None
+
+    # ---- nano-vllm style: add requests, step until done ------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); raises kvwire.errors.InvalidRequest /
+        ResourceExhausted when it cannot run. Returns its request id."""
+        req = self.core.add_request(request_id or uuid.uuid4().hex, self.encode(prompt), params or SamplingParams())
+        return req.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits and fill its KV (first tokens), then one decode step over the running
+        requests. Finished requests are released (pages back to the pool)."""
+        batch = self.core.schedule()
+        outputs = [self.core.start(req, _now(self.kv_source.fill(req, _run_inline))) for req in batch.admitted]
+        if batch.decode:
+            outputs += self.core.update(batch, self.core.execute(batch))
+        for out in outputs:
+            if out.finished:
+                self._release(out.request_id)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.core.requests)
+
+    def abort(self, request_id: str) -> None:
+        self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        req = self.core.requests.get(request_id)
+        if req is not None:
+            self.core.release(req)
+            self.core.runner.free(req.seq)
+
+    # ---- whole generations ------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Generate for every prompt (batched together); results in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            return []
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.encode(p) for p in prompts]
+        rids = [self.add_request(p, sp) for p, sp in zip(ids, plist)]
+        tokens: dict[str, list[int]] = {r: [] for r in rids}
+        reasons = {}
+        try:
+            while len(reasons) < len(rids):
+                for out in self.step():
+                    tokens[out.request_id] += out.token_ids
+                    if out.finished:
+                        reasons[out.request_id] = out.finish_reason
+        finally:
+            for r in rids:
+                self.abort(r)
+        return [Completion(r, p, tokens[r], reasons[r], self._text(tokens[r])) for r, p in zip(rids, ids)]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield one request's outputs (deltas) as they are generated; the last carries the finish
+        reason. Other queued requests advance too. Closing the iterator aborts the request."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(rid)
+
+    def _text(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
+
+    def stats(self) -> dict[str, int]:
+        return self.core.stats()

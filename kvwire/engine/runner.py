@@ -1,0 +1,163 @@
+"""ModelRunner: the tensor side of the engine (no asyncio, no gRPC).
+
+Owns the paged KV cache (and, for speculative decoding, a draft model with its own paged cache).
+A sequence's prompt KV gets into its pages one of two ways: computed here (``prefill``, the local
+KV source) or imported page by page from the wire (``import_begin`` / ``import_chunk``, the remote
+one); then sequences advance together: one ``step`` runs one batched forward for every decoding
+sequence, one token each, or several for a speculative verification. Not thread-safe by design:
+the engine makes every call from one thread, in submission order, so a sequence is never freed
+under a step or an import.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvwire.engine.chunked import PrefixPrefill
+from kvwire.engine.prefix_cache import PrefixCache, cache_salt
+from kvwire.engine.speculative import draft_sample
+from kvwire.engine.verify import ExactMultiTokenStep
+from kvwire.kv.wire import DecodedChunk
+from kvwire.runtime import Runtime
+from kvwire.sampling_params import SamplingParams
+
+
+class ModelRunner:
+    def __init__(self, runtime: Runtime, num_pages: int, draft: Runtime | None = None,
+                 draft_pages: int | None = None, prefix_caching: bool = False):
+        self.runtime = runtime
+        self.cache = runtime.new_cache(num_pages)
+        # Not with a sliding window: pages behind it are given back, so a prefix is not kept whole.
+        self.prefix = PrefixCache(self.cache.pool, runtime.spec.block_size, cache_salt(runtime.fingerprint, runtime.spec)) \
+            if prefix_caching and self.cache.tables.window is None else None
+        self.draft = draft
+        # The draft holds at most as many tokens per sequence as the target, so a pool as large as
+        # the target's never runs out under the scheduler's reservations.
+        self.draft_cache = draft.new_cache(draft_pages or num_pages) if draft is not None else None
+        self._verify: ExactMultiTokenStep | None = None
+
+    def reuse_prefix(self, seq: int, prompt: list[int]) -> int:
+        """Attach the longest cached prefix of ``prompt`` to the new sequence ``seq``; returns the
+        tokens whose KV is thereby in place (0 without prefix caching or without a hit)."""
+        if self.prefix is None:
+            return 0
+        return self.prefix.attach(self.cache.tables, seq, prompt) * self.runtime.spec.block_size
+
+    def remember_prefix(self, seq: int, prompt: list[int]) -> None:
+        """``seq``'s prompt KV is complete: its full pages become reusable."""
+        if self.prefix is not None:
+            self.prefix.remember(self.cache.tables, seq, prompt)
+
+    def prefill(self, seq: int, tokens: list[int]) -> torch.Tensor:
+        """Compute a prompt's KV into new pages of ``seq`` (after a reused prefix, if attached);
+        returns the last position's logits [vocab]. The same forward prefill_svc runs, so the
+        pages hold the same bytes."""
+        start = self.cache.length(seq) if seq in self.cache.tables else 0
+        positions = self.cache.prepare([seq], [len(tokens) - start])
+        kv = PrefixPrefill(self.cache, seq, start, len(tokens) - start) if start else self.cache
+        logits = self.runtime.model(torch.tensor(tokens[start:]), positions, kv,
+                                    logits_rows=torch.tensor([len(tokens) - start - 1]))
+        self.remember_prefix(seq, tokens)
+        return logits[0]
+
+    def import_begin(self, seq: int, num_tokens: int) -> list[int]:
+        """Allocate pages for the rest of a prompt of ``num_tokens`` tokens whose KV will arrive
+        over the wire (after a reused prefix, if attached); returns the sequence's page ids."""
+        have = self.cache.length(seq) if seq in self.cache.tables else 0
+        self.cache.extend(seq, num_tokens - have)
+        return self.cache.page_ids(seq)
+
+    def import_chunk(self, pages: list[int], chunk: DecodedChunk) -> None:
+        """Copy a verified chunk's bytes into the sequence's pages (no re-layout: same spec)."""
+        n = chunk.k.shape[0]
+        idx = torch.tensor(pages[chunk.first_page:chunk.first_page + n])
+        k, v, ks, vs = self.cache.layer_tensors(chunk.layer)
+        k.view(torch.uint8)[idx] = chunk.k.view(torch.uint8)
+        v.view(torch.uint8)[idx] = chunk.v.view(torch.uint8)
+        if ks is not None:
+            ks[idx] = chunk.k_scale
+            vs[idx] = chunk.v_scale
+
+    def step(self, seqs: list[int], tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Feed ``tokens[i]`` to ``seqs[i]``; returns each one's logits [n_i, vocab].
+
+        One token each is a plain decode step. With more (speculative verification), every token
+        sees exactly the KV state a one-token-at-a-time decode would have given it, so its logits
+        equal plain decoding's bit for bit; call ``keep`` afterwards to drop rejected tokens."""
+        counts = [len(ts) for ts in tokens]
+        flat = torch.tensor([t for ts in tokens for t in ts])
+        self._verify = None
+        if all(n == 1 for n in counts):
+            positions = self.cache.prepare(seqs, counts)
+            logits = self.runtime.model(flat, positions, self.cache)  # [num_tokens, vocab]
+        else:
+            starts = [self.cache.length(s) if s in self.cache.tables else 0 for s in seqs]
+            positions = self.cache.prepare(seqs, counts)
+            self._verify = ExactMultiTokenStep(self.cache, seqs, starts, counts)
+            logits = self.runtime.model(flat, positions, self._verify)
+        return list(logits.split(counts))
+
+    def keep(self, seq: int, num_kept: int) -> None:
+        """After a multi-token ``step``: keep the first ``num_kept`` of ``seq``'s tokens, roll the
+        rest back (pages left empty return to the pool)."""
+        if self._verify is not None:
+            self._verify.keep(seq, num_kept)
+
+    # ---- draft model --------------------------------------------------------------------------
+
+    def propose(self, seqs: Sequence[int], contexts: Sequence[Sequence[int]], ks: Sequence[int],
+                params: Sequence[SamplingParams], first_steps: Sequence[int]):
+        """Draft ``ks[i]`` tokens after ``contexts[i]`` (prompt + generated, ending with the
+        pending token) for each sequence, batched. The draft first catches up on the context it
+        has not seen (the whole prompt the first time). Returns (tokens [k_i], q [k_i, vocab] or
+        None when greedy) per sequence."""
+        dc, model = self.draft_cache, self.draft.model
+        feeds = [list(ctx[dc.length(s) if s in dc.tables else 0:]) for s, ctx in zip(seqs, contexts)]
+        ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
+        positions = dc.prepare(seqs, [len(f) for f in feeds])
+        logits = model(torch.tensor([t for f in feeds for t in f]), positions, dc, logits_rows=ends)  # [S, vocab]
+        props: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        while True:
+            for i, row in zip(active, logits):
+                tok, q = draft_sample(row, params[i], first_steps[i] + len(props[i]))
+                props[i].append(tok)
+                if q is not None:
+                    qs[i].append(q)
+            active = [i for i in active if len(props[i]) < ks[i]]
+            if not active:
+                break
+            positions = dc.prepare([seqs[i] for i in active], [1] * len(active))
+            logits = model(torch.tensor([props[i][-1] for i in active]), positions, dc)
+        return [(p, torch.stack(q) if q else None) for p, q in zip(props, qs)]
+
+    def draft_truncate(self, seq: int, length: int) -> None:
+        """Keep at most ``length`` tokens of the draft's KV for ``seq`` (rejected proposals go)."""
+        if self.draft_cache is not None and seq in self.draft_cache.tables:
+            self.draft_cache.truncate(seq, min(length, self.draft_cache.length(seq)))
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """A short prompt, decode and verify steps (and draft proposals) through the real paths,
+        then forget them."""
+        seq = -1
+        self.cache.prepare([seq], [8])
+        self.runtime.model(torch.zeros(8, dtype=torch.int64), torch.arange(8), self.cache)
+        for _ in range(2):
+            self.step([seq], [[0]])
+        self.step([seq], [[0, 1, 2]])
+        self.keep(seq, 1)
+        if self.draft is not None:
+            self.propose([seq], [[0] * 12], [3], [SamplingParams()], [0])
+        self.free(seq)
+
+    def free(self, seq: int) -> None:
+        self.cache.reset(seq)  # unknown ids are fine: a request may end before its pages existed
+        if self.draft_cache is not None:
+            self.draft_cache.reset(seq)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.cache.stats(), "cached_pages": len(self.prefix) if self.prefix is not None else 0}

@@ -1,0 +1,275 @@
+"""TLS, mTLS and bearer-token auth for every hop, and the serving flags that limit exposure.
+
+One module builds every credential: ``ServerSecurity`` (what a service's listener demands) and
+``ClientSecurity`` (what one outgoing channel presents), both frozen and filled from flags by
+``add_serving_args`` / ``server_security`` / ``client_security`` in a service's ``__main__``
+(the ``KVWIRE_*`` environment variables are the flags' defaults, read there and nowhere else).
+
+- ``--tls-cert/--tls-key``: the listener speaks TLS. ``--tls-client-ca``: it also requires a client
+  certificate signed by that CA (mTLS; a plaintext or wrongly signed client fails the handshake).
+  ``--allowed-peers``: of those, only certificates naming one of these (CN or SAN) may call;
+  others get PERMISSION_DENIED.
+- ``--auth-tokens-file``: every call (health excepted) needs ``authorization: Bearer <token>``
+  with a token from the file (one per line; ``#`` comments). Missing or wrong -> UNAUTHENTICATED.
+  Compared in constant time, over SHA-256 digests so a token's length does not leak either.
+- ``--<peer>-tls-ca/-cert/-key/-token-file/-tls-server-name``: what the channel to ``<peer>``
+  (``decode`` from the tokenizer, ``prefill`` from decode) verifies and presents.
+- ``--health-listen``: a second, plaintext listener serving only ``grpc.health.v1`` (kubelet gRPC
+  probes speak neither TLS nor tokens); health on the main port needs no token either.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import grpc
+
+from kvwire import metrics
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+DEFAULT_DRAIN_DELAY_S = 5.0  # long enough for a Kubernetes endpoint update to reach load balancers
+
+
+def _read(path: Path | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    client_ca_file: Path | None = None  # set: mTLS, client certificates required and verified
+    allowed_peers: tuple[str, ...] = ()  # mTLS identities (CN / SAN) allowed; empty: any verified one
+    tokens_file: Path | None = None  # bearer tokens accepted; None: no token needed
+    health_listen: str | None = None  # plaintext health-only listener
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+        if self.allowed_peers and self.client_ca_file is None:
+            raise ValueError("--allowed-peers needs --tls-client-ca (identities come from client certificates)")
+
+    @property
+    def tls(self) -> bool:
+        return self.cert_file is not None
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls:
+            return None
+        ca = _read(self.client_ca_file)
+        return grpc.ssl_server_credentials([(_read(self.key_file), _read(self.cert_file))],
+                                           root_certificates=ca, require_client_auth=ca is not None)
+
+    def interceptor(self) -> "AuthInterceptor | None":
+        tokens = TokenSet.from_file(self.tokens_file) if self.tokens_file else None
+        if tokens is None and not self.allowed_peers:
+            return None
+        return AuthInterceptor(tokens, frozenset(self.allowed_peers))
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    ca_file: Path | None = None  # set: TLS, the server verified against this CA
+    cert_file: Path | None = None  # with key_file: the client certificate (mTLS)
+    key_file: Path | None = None
+    token_file: Path | None = None  # bearer token sent on every call (first token in the file)
+    server_name: str | None = None  # expected name in the server certificate, if not the target's host
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("a client certificate needs both its cert and key")
+        if self.cert_file is not None and self.ca_file is None:
+            raise ValueError("a client certificate (mTLS) needs the server's CA too")
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if self.ca_file is None:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca_file), private_key=_read(self.key_file),
+                                            certificate_chain=_read(self.cert_file))
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def interceptors(self) -> list:
+        if self.token_file is None:
+            return []
+        tokens = TokenSet.from_file(self.token_file).tokens
+        if not tokens:
+            raise ValueError(f"{self.token_file} holds no token")
+        return [BearerTokenInterceptor(tokens[0])]
+
+
+class TokenSet:
+    """Accepted bearer tokens, compared in constant time (digests, so length does not leak)."""
+
+    def __init__(self, tokens: Iterable[str]):
+        self.tokens = tuple(tokens)
+        self._digests = tuple(hashlib.sha256(t.encode()).digest() for t in self.tokens)
+
+    @staticmethod
+    def from_file(path: Path) -> "TokenSet":
+        lines = Path(path).read_text().splitlines()
+        return TokenSet(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
+
+    def accepts(self, presented: str) -> bool:
+        d = hashlib.sha256(presented.encode()).digest()
+        ok = False
+        for known in self._digests:  # no early exit: every token is compared
+            ok |= hmac.compare_digest(d, known)
+        return ok
+
+
+def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            scheme, _, token = (value.decode() if isinstance(value, bytes) else value).partition(" ")
+            return token.strip() if scheme.lower() == "bearer" and token.strip() else ""
+    return None
+
+
+def peer_names(context: grpc.aio.ServicerContext) -> set[str]:
+    auth = context.auth_context() or {}
+    names = auth.get("x509_subject_alternative_name", []) + auth.get("x509_common_name", [])
+    return {n.decode() if isinstance(n, bytes) else n for n in names}
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Bearer tokens and allowed mTLS identities, checked before the handler runs (health exempt)."""
+
+    def __init__(self, tokens: TokenSet | None, allowed_peers: frozenset[str]):
+        self.tokens = tokens
+        self.allowed_peers = allowed_peers
+
+    def check(self, context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
+        if self.tokens is not None:
+            token = bearer_token(context.invocation_metadata())
+            if not token:
+                return grpc.StatusCode.UNAUTHENTICATED, "missing credentials: send 'authorization: Bearer <token>'"
+            if not self.tokens.accepts(token):
+                return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
+        if self.allowed_peers and not (peer_names(context) & self.allowed_peers):
+            return grpc.StatusCode.PERMISSION_DENIED, "this client certificate is not allowed to call this service"
+        return None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        method = handler_call_details.method
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+            "stream" if handler.response_streaming else "unary")
+        return handler._replace(**{kind: _guarded(getattr(handler, kind), self.check, method)})
+
+
+def _guarded(behavior: Callable, check: Callable, method: str) -> Callable:
+    async def deny_if_needed(context) -> None:
+        denied = check(context)
+        if denied is not None:
+            metrics.GRPC_ERRORS.labels(method, denied[0].name).inc()
+            await context.abort(*denied)
+
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request, context):
+            await deny_if_needed(context)
+            async for response in behavior(request, context):
+                yield response
+        return stream
+
+    async def unary(request, context):
+        await deny_if_needed(context)
+        return await behavior(request, context)
+    return unary
+
+
+class BearerTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                             grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+
+    def __init__(self, token: str):
+        self._pair = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        return d._replace(metadata=grpc.aio.Metadata(*(tuple(d.metadata or ()) + (self._pair,))))
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+# -- flags (read in each service's __main__) ------------------------------------------------------
+
+def _path(value: str | None) -> Path | None:
+    return Path(value) if value else None
+
+
+def add_serving_args(ap: argparse.ArgumentParser, peers: Iterable[str] = (),
+                     env: Mapping[str, str] | None = None) -> None:
+    """TLS/auth/exposure/drain flags of a service, and client TLS/auth flags for each outgoing ``peer``."""
+    env = os.environ if env is None else env
+    g = ap.add_argument_group("security and exposure (each flag's default: the KVWIRE_* variable named)")
+
+    def add(flag: str, var: str, help: str, **kw) -> None:
+        g.add_argument(flag, default=env.get(var, kw.pop("default", None)), help=f"{help} [{var}]", **kw)
+
+    add("--tls-cert", "KVWIRE_TLS_CERT", "server certificate chain (PEM); with --tls-key the listener speaks TLS")
+    add("--tls-key", "KVWIRE_TLS_KEY", "server private key (PEM)")
+    add("--tls-client-ca", "KVWIRE_TLS_CLIENT_CA", "require client certificates signed by this CA (mTLS)")
+    add("--allowed-peers", "KVWIRE_ALLOWED_PEERS", "comma-separated client certificate names (CN or SAN) "
+        "allowed to call; others get PERMISSION_DENIED (default: any certificate the CA signed)")
+    add("--auth-tokens-file", "KVWIRE_AUTH_TOKENS_FILE", "bearer tokens accepted, one per line; calls without "
+        "one get UNAUTHENTICATED (health excepted)")
+    add("--health-listen", "KVWIRE_HEALTH_LISTEN", "host:port of a plaintext listener serving only grpc.health.v1 "
+        "(for probes when the main port needs TLS)")
+    add("--metrics-host", "KVWIRE_METRICS_HOST", "interface /metrics binds (default: --listen's host)")
+    add("--drain-delay-s", "KVWIRE_DRAIN_DELAY_S", "at SIGTERM, seconds health reports NOT_SERVING while calls "
+        "are still accepted (load balancers notice), before the --grace-s drain", type=float,
+        default=str(DEFAULT_DRAIN_DELAY_S))
+    g.add_argument("--no-reflection", action="store_true",
+                   default=env.get("KVWIRE_NO_REFLECTION", "").lower() in ("1", "true", "yes"),
+                   help="do not serve gRPC reflection [KVWIRE_NO_REFLECTION=1]")
+    for peer in peers:
+        var = f"KVWIRE_{peer.upper()}"
+        add(f"--{peer}-tls-ca", f"{var}_TLS_CA", f"CA that signed {peer}'s certificate: the {peer} channel uses TLS")
+        add(f"--{peer}-tls-cert", f"{var}_TLS_CERT", f"client certificate presented to {peer} (mTLS)")
+        add(f"--{peer}-tls-key", f"{var}_TLS_KEY", f"its private key")
+        add(f"--{peer}-tls-server-name", f"{var}_TLS_SERVER_NAME",
+            f"name expected in {peer}'s certificate (default: the address's host)")
+        add(f"--{peer}-token-file", f"{var}_TOKEN_FILE", f"bearer token sent to {peer} (first line)")
+
+
+def server_security(args: argparse.Namespace) -> ServerSecurity:
+    peers = tuple(p.strip() for p in (args.allowed_peers or "").split(",") if p.strip())
+    return ServerSecurity(cert_file=_path(args.tls_cert), key_file=_path(args.tls_key),
+                          client_ca_file=_path(args.tls_client_ca), allowed_peers=peers,
+                          tokens_file=_path(args.auth_tokens_file), health_listen=args.health_listen or None)
+
+
+def client_security(args: argparse.Namespace, peer: str) -> ClientSecurity:
+    get = lambda name: getattr(args, f"{peer}_{name}")  # noqa: E731
+    return ClientSecurity(ca_file=_path(get("tls_ca")), cert_file=_path(get("tls_cert")),
+                          key_file=_path(get("tls_key")), token_file=_path(get("token_file")),
+                          server_name=get("tls_server_name") or None)
+
+
+def metrics_host(args: argparse.Namespace) -> str:
+    """``--metrics-host``, else ``--listen``'s host: /metrics is no more exposed than the service."""
+    if args.metrics_host:
+        return args.metrics_host
+    host = args.listen.rpartition(":")[0].strip("[]")
+    return host or "0.0.0.0"

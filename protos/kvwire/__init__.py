@@ -1,0 +1,1 @@
+"""Versioned wire packages (``kvwire.v1``)."""

@@ -1,0 +1,1 @@
+"""The ``kvwire.v1`` wire contract: ``kvwire.proto`` and its generated stubs."""
