@@ -6,11 +6,16 @@ Torch-free (the tokenizer service imports it); the sampler itself is ``kvwire.sa
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from kvwire.errors import InvalidRequest
 
 MAX_SPECULATIVE_TOKENS = 16
+# Smallest non-zero temperature accepted. Below it logits / temperature overflows float32 (3e-38 gave
+# inf logits and NaN probabilities mid-generation); 0 already means greedy, which is what such a
+# temperature asks for. vLLM warns below the same value.
+MIN_TEMPERATURE = 1e-2
 
 
 class SpeculativeMode(str, enum.Enum):
@@ -62,9 +67,12 @@ class SamplingParams:
         """Raise InvalidRequest with a message a user can act on."""
         if self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+                                 f"got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}")

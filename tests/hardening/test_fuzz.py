@@ -116,9 +116,6 @@ def test_decode_generate_tokens(channels):
     after_batch(channels, "GenerateTokens")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="non-finite and tiny sampling floats (NaN/inf temperature or top_p, "
-                   "temperature 3e-38) still reach the sampler as INTERNAL: sampling validation (issue point 1) "
-                   "belongs to the engine's SamplingParams.validate; remove this mark when it lands")
 def test_decode_poison_sampling_floats(channels):
     stub = pbg.DecodeServiceStub(channels["decode_svc"])
 

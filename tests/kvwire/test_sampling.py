@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kvwire.sampler import probabilities, sample
-from kvwire.sampling_params import SamplingParams
+from kvwire.errors import InvalidRequest
+from kvwire.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, msg", [
@@ -55,3 +56,16 @@ def test_samples_follow_the_distribution():
     expected = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05]) * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 18.47, (counts, chi2)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("temperature", 3e-38), ("temperature", 0.009), ("temperature", -1.0),
+                                         ("top_p", float("nan")), ("top_p", float("inf")), ("top_p", 0.0)])
+def test_validate_refuses_non_finite_and_tiny_sampling_floats(field, value):
+    with pytest.raises(InvalidRequest, match=field):
+        SamplingParams(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("temperature", [0.0, MIN_TEMPERATURE, 0.7, 5.0])
+def test_validate_accepts_greedy_and_usable_temperatures(temperature):
+    SamplingParams(temperature=temperature).validate()
