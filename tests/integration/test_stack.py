@@ -19,7 +19,6 @@ from kvwire.sampling_params import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from tests.integration.otlp_receiver import OtlpReceiver
 from tools.stack import Stack
 
 PROMPTS = ["The for statement", "The while statement is used for", "A class definition",
@@ -28,15 +27,8 @@ PROMPTS = ["The for statement", "The while statement is used for", "A class defi
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    with OtlpReceiver() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def stack(receiver, tmp_path_factory):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_TRACES_EXPORTER": "otlp",
-           "OTEL_BSP_SCHEDULE_DELAY": "100"}
+def stack(otlp_env, tmp_path_factory):
+    env = otlp_env
     s = Stack(decode_pages=512, prefill_pages=512, env=env, log_dir=tmp_path_factory.mktemp("logs"))
     with s:
         yield s

@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tests.deploy.test_observability import alert_exprs, dashboard_exprs, metric_names
-from tools.otlp_receiver import OtlpReceiver
 from tools.stack import Stack, free_port
 
 SERVICE_NAMES = {"tokenizer_svc": "kvwire-tokenizer", "decode_svc": "kvwire-decode", "prefill_svc": "kvwire-prefill"}
@@ -24,17 +23,10 @@ PROMPT = "The for statement"
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    with OtlpReceiver() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def stack(receiver, tmp_path_factory):
+def stack(otlp_env, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.delenv("OTEL_SERVICE_NAME", raising=False)
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_TRACES_EXPORTER": "otlp",
-           "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    env = otlp_env
     metrics_ports = {name: free_port() for name in SERVICE_NAMES}
     s = Stack(decode_pages=256, prefill_pages=256, env=env, log_dir=tmp_path_factory.mktemp("logs"),
               extra={name: ["--metrics-port", str(port)] for name, port in metrics_ports.items()})

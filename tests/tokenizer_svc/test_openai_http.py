@@ -14,77 +14,32 @@ import openai
 import pytest
 
 from kvwire import errors
-from kvwire.serving import GrpcServer, build_channel
+from kvwire.serving import build_channel
 from kvwire.tokenizer import ChatMessage
-from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.openai_http import OpenAIHttpServer, split_host_port
 from tokenizer_svc.server import TokenizerServicer
+from tests.tokenizer_svc.scripted_decode import ScriptedDecode, served
 
 MODEL = "tiny"
-
-
-class ScriptedDecode(pb_grpc.DecodeServiceServicer):
-    """Streams ``reply`` one token per message (``endless``: forever), then a finish message;
-    ``abort`` fails the call with that status after ``abort_after`` tokens. Records requests and
-    cancellation."""
-
-    def __init__(self, reply=(), delay=0.0, endless=False, abort: grpc.StatusCode | None = None,
-                 abort_after: int = 0):
-        self.reply, self.delay, self.endless, self.abort = list(reply), delay, endless, abort
-        self.abort_after = abort_after
-        self.requests: list[pb.GenerateTokensRequest] = []
-        self.cancelled = asyncio.Event()
-        self.sent = 0
-
-    async def GenerateTokens(self, request, context):
-        self.requests.append(request)
-        completed, sent_here = False, 0
-        try:
-            while True:
-                for token in [None, *self.reply]:
-                    if self.abort is not None and sent_here >= self.abort_after:
-                        completed = True
-                        await context.abort(self.abort, "scripted failure")
-                    if token is None:
-                        continue
-                    await asyncio.sleep(self.delay)
-                    self.sent += 1
-                    sent_here += 1
-                    yield pb.GenerateTokensResponse(token_ids=[token])
-                if not self.endless:
-                    break
-            completed = True
-            yield pb.GenerateTokensResponse(
-                finish_reason=pb.FINISH_REASON_LENGTH,
-                usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=self.sent))
-        finally:
-            if not completed:
-                self.cancelled.set()
 
 
 @contextlib.asynccontextmanager
 async def door(tokenizer, decode: ScriptedDecode | None, tp=None):
     """HTTP door -> TokenizerServicer -> decode on loopback; yields (AsyncOpenAI, base url)."""
-    decode_server, decode_addr = None, "127.0.0.1:1"  # None: a port nobody listens on
-    if decode is not None:
-        decode_server = GrpcServer(tracer_provider=tp)
-        decode_server.add_service(pb_grpc.add_DecodeServiceServicer_to_server, decode, "kvwire.v1.DecodeService")
-        decode_addr = f"127.0.0.1:{await decode_server.start('127.0.0.1:0')}"
-    channel = build_channel(decode_addr, tracer_provider=tp)
-    http = OpenAIHttpServer(TokenizerServicer(tokenizer, pb_grpc.DecodeServiceStub(channel), MODEL),
-                            MODEL, max_body_bytes=1 << 16, grace_s=1, tracer_provider=tp)
-    port = await http.start("127.0.0.1:0")
-    base = f"http://127.0.0.1:{port}/v1"
-    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=20)
-    try:
-        yield client, base
-    finally:
-        await client.close()
-        await http.stop()
-        await channel.close()
-        if decode_server:
-            await decode_server.stop(0)
+    async with served(decode, tp) as decode_addr:
+        channel = build_channel(decode_addr, tracer_provider=tp)
+        http = OpenAIHttpServer(TokenizerServicer(tokenizer, pb_grpc.DecodeServiceStub(channel), MODEL),
+                                MODEL, max_body_bytes=1 << 16, grace_s=1, tracer_provider=tp)
+        port = await http.start("127.0.0.1:0")
+        base = f"http://127.0.0.1:{port}/v1"
+        client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=20)
+        try:
+            yield client, base
+        finally:
+            await client.close()
+            await http.stop()
+            await channel.close()
 
 
 def run(coro):

@@ -14,7 +14,6 @@ from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.tokenizer import ChatMessage, ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from tests.integration.otlp_receiver import OtlpReceiver
 from tools.stack import Stack, free_port
 
 MODEL = "kvwire-tiny"  # tokenizer_svc's default model id: the model dir's name
@@ -22,15 +21,8 @@ PROMPT = "The for statement"
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    with OtlpReceiver() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def stack(receiver, tmp_path_factory):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_TRACES_EXPORTER": "otlp",
-           "OTEL_BSP_SCHEDULE_DELAY": "100"}
+def stack(otlp_env, tmp_path_factory):
+    env = otlp_env
     http_port = free_port()
     s = Stack(decode_pages=256, prefill_pages=256, env=env, log_dir=tmp_path_factory.mktemp("logs"),
               extra={"tokenizer_svc": ["--http-listen", f"127.0.0.1:{http_port}"]})

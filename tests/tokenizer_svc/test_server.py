@@ -11,60 +11,28 @@ from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.detokenizer import REPLACEMENT
 from tokenizer_svc.server import SERVICE_NAME, TokenizerServicer
+from tests.tokenizer_svc.scripted_decode import ScriptedDecode, served
 
 
-class FakeDecode(pb_grpc.DecodeServiceServicer):
-    """Streams ``reply`` one token per message, then a finish message; records cancellation."""
-
-    def __init__(self, reply=(), delay=0.0, endless=False):
-        self.reply, self.delay, self.endless = list(reply), delay, endless
-        self.requests: list[pb.GenerateTokensRequest] = []
-        self.cancelled = asyncio.Event()
-        self.sent = 0
-
-    async def GenerateTokens(self, request, context):
-        self.requests.append(request)
-        completed = False
-        try:
-            while True:
-                for token in self.reply:
-                    await asyncio.sleep(self.delay)
-                    self.sent += 1
-                    yield pb.GenerateTokensResponse(token_ids=[token])
-                if not self.endless:
-                    break
-            completed = True
-            yield pb.GenerateTokensResponse(
-                finish_reason=pb.FINISH_REASON_LENGTH,
-                usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=self.sent))
-        finally:
-            if not completed:
-                self.cancelled.set()
+FakeDecode = ScriptedDecode
 
 
 @contextlib.asynccontextmanager
 async def stack(tokenizer, decode: FakeDecode | None, tp=None):
     """tokenizer_svc -> decode on loopback; ``decode=None`` points at a port nobody listens on."""
-    decode_server = None
-    decode_addr = "127.0.0.1:1"
-    if decode is not None:
-        decode_server = GrpcServer(tracer_provider=tp)
-        decode_server.add_service(pb_grpc.add_DecodeServiceServicer_to_server, decode, "kvwire.v1.DecodeService")
-        decode_addr = f"127.0.0.1:{await decode_server.start('127.0.0.1:0')}"
-    decode_channel = build_channel(decode_addr, tracer_provider=tp)
-    server = GrpcServer(tracer_provider=tp)
-    servicer = TokenizerServicer(tokenizer, pb_grpc.DecodeServiceStub(decode_channel), "tiny")
-    server.add_service(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)
-    port = await server.start("127.0.0.1:0")
-    client_channel = build_channel(f"127.0.0.1:{port}", tracer_provider=tp)
-    try:
-        yield pb_grpc.TokenizerServiceStub(client_channel)
-    finally:
-        await client_channel.close()
-        await server.stop(0)
-        await decode_channel.close()
-        if decode_server:
-            await decode_server.stop(0)
+    async with served(decode, tp) as decode_addr:
+        decode_channel = build_channel(decode_addr, tracer_provider=tp)
+        server = GrpcServer(tracer_provider=tp)
+        servicer = TokenizerServicer(tokenizer, pb_grpc.DecodeServiceStub(decode_channel), "tiny")
+        server.add_service(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)
+        port = await server.start("127.0.0.1:0")
+        client_channel = build_channel(f"127.0.0.1:{port}", tracer_provider=tp)
+        try:
+            yield pb_grpc.TokenizerServiceStub(client_channel)
+        finally:
+            await client_channel.close()
+            await server.stop(0)
+            await decode_channel.close()
 
 
 def run(coro):
