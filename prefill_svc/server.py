@@ -77,6 +77,18 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
         seq = self.runner.new_sequence()
         fut = loop.run_in_executor(self.executor, self.runner.forward, seq, tokens, on_layer, abort)
         fut.add_done_callback(lambda _: loop.call_soon_threadsafe(layers.put_nowait, _DONE))
+        ended = False
+
+        def end_stream(_=None) -> None:  # event loop; idempotent
+            nonlocal ended
+            if not ended:
+                ended = True
+                abort.set()
+                fut.add_done_callback(lambda f: self._release_when_done(f, seq))
+
+        # A cancelled call may leave this generator suspended (grpc does not close it), and its
+        # finally would then wait for garbage collection: end the stream when the RPC ends too.
+        context.add_done_callback(lambda _: loop.call_soon_threadsafe(end_stream))
         with tracer.start_as_current_span("prefill.forward") as span:
             span.set_attributes({"gen_ai.usage.input_tokens": len(tokens), "kvwire.request_id": request.request_id,
                                  "kvwire.quantization": self.runtime.fingerprint.quantization,
@@ -97,8 +109,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
                                      "kvwire.kv.pages_skipped": skip})
                 yield pb.PrefillResponse(done=pb.PrefillDone(first_token=first, prompt_tokens=len(tokens)))
             finally:
-                abort.set()
-                fut.add_done_callback(lambda f: self._release_when_done(f, seq))
+                end_stream()
 
     def _release_when_done(self, fut, seq: int) -> None:
         # Runs once the forward is over, whatever the stream did: a successful forward's pages

@@ -106,4 +106,6 @@ class Harness:
                     and stats.running == 0:
                 return True
             await asyncio.sleep(0.05)
+        print(f"pools not back: decode free {stats.free_pages}/{decode_free} running {stats.running}, "
+              f"prefill {self.prefill_runner.stats()} (want free {prefill_free})")
         return False
