@@ -1,12 +1,15 @@
 """Disaggregated path against in-process generation: TTFT, inter-token latency, KV bytes on the wire.
 
     python -m bench disagg [--prompt-lens 128,512,1024] [--gen 32] [--repeats 3]
+    python -m bench disagg --model smollm2-135m-instruct --weights int8 --speculative ngram
 
 For each KV dtype (fp8_e4m3, bf16) the three services start as real processes on loopback with the
-embedded model; each prompt length is sent through the front door (tokenizer_svc) `repeats` times,
+model (the embedded one by default; any model directory, GGUF or registered name); each prompt length is sent through the front door (tokenizer_svc) `repeats` times,
 one request at a time, timing every streamed message at the client. The same prompts then run
 in-process through the public engine API (``kvwire.LLM.stream``: same model, weights, KV settings
-and paged cache, no server) in this process. The KV bytes per
+and paged cache, no server) in this process. ``--speculative`` sets the default speculative mode
+of both (decode_svc's flag and the LLM's); a draft model is loaded only with ``--speculative
+draft``. The KV bytes per
 prompt token come from a direct Prefill call (every chunk's bytes, scales included).
 Writes bench/out/disagg-<model>-<stamp>.{json,md}.
 """
@@ -73,6 +76,16 @@ async def kv_bytes(addr: str, ids: list[int]) -> int:
         return total
 
 
+def decode_flags(args) -> list[str]:
+    """decode_svc's speculative flags: none by default; draft flags only when a draft is asked for."""
+    if args.speculative == "none":
+        return []
+    flags = ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if args.speculative == "draft" and args.draft_model_dir is not None:
+        flags += ["--draft-model-dir", str(args.draft_model_dir)]
+    return flags
+
+
 def in_process(llm: LLM, ids: list[int], gen: int) -> tuple[float, list[float]]:
     t0 = time.perf_counter()
     stamps = []
@@ -89,20 +102,35 @@ def summarize(runs: list[tuple[float, list[float]]]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a registered model name (python -m tools.fetch_model --list)")
+    src.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="an HF directory or a .gguf")
+    ap.add_argument("--weights", default="none", choices=["none", "bf16", "int8", "fp8"])
+    ap.add_argument("--speculative", default="none", choices=["none", "ngram", "draft"],
+                    help="default speculative mode, served and in process")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--draft-model-dir", type=Path, default=None,
+                    help="with --speculative draft (default: <model-dir>-draft beside the model)")
     ap.add_argument("--prompt-lens", default="128,512,1024")
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv", default="fp8_e4m3,bf16")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
+    if args.model:
+        args.model_dir = Path(args.model)
+    if args.speculative == "draft" and args.draft_model_dir is None:
+        args.draft_model_dir = args.model_dir.parent / f"{args.model_dir.name}-draft"
     tok = ModelTokenizer(args.model_dir)
     lens = [int(x) for x in args.prompt_lens.split(",")]
     prompts = {n: prompt_ids(tok, n) for n in lens}
     rows = []
     for kv in args.kv.split(","):
-        llm = LLM(args.model_dir, kv_dtype=kv, num_pages=256)
-        with Stack(model_dir=args.model_dir, kv_dtype=kv) as stack:
+        draft = args.draft_model_dir if args.speculative == "draft" else None
+        llm = LLM(args.model_dir, weights=args.weights, kv_dtype=kv, num_pages=256, draft_model=draft,
+                  speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+        with Stack(model_dir=args.model_dir, weights=args.weights, kv_dtype=kv,
+                   extra={"decode_svc": decode_flags(args)}) as stack:
             for n, ids in prompts.items():
                 asyncio.run(served(stack.addr("decode_svc"), ids, 4))  # warm the path
                 in_process(llm, ids, 4)
@@ -118,14 +146,16 @@ def main(argv: list[str] | None = None) -> dict:
                        "front_door_ttft_ms": 1000 * fd, "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / len(ids)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    report = {"benchmark": "disagg", "model": args.model_dir.name, "gen": args.gen, "repeats": args.repeats,
-              "rows": rows}
+    report = {"benchmark": "disagg", "model": args.model_dir.name, "weights": args.weights,
+              "speculative": args.speculative, "gen": args.gen, "repeats": args.repeats, "rows": rows}
     common.save(report, markdown(report), args.out)
     return report
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Model {report['model']}, batch 1, {report['gen']} generated tokens, median of {report['repeats']} runs.",
+    lines = [f"Model {report['model']} ({report.get('weights', 'none')} weights, speculative "
+             f"{report.get('speculative', 'none')}), batch 1, {report['gen']} generated tokens, median of "
+             f"{report['repeats']} runs.",
              "", "| KV | prompt | TTFT served (ms) | TTFT served, local prefill (ms) | TTFT in-process (ms) | ratio "
              "| TTFT via front door (ms) | ITL served (ms) | ITL in-process (ms) | ratio | KV bytes/prompt token |",
              "|---" * 11 + "|"]

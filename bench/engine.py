@@ -45,10 +45,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(shapes.SHAPES))
-    ap.add_argument("--model-dir", type=Path, help="an HF Llama directory instead of a --model shape")
+    ap.add_argument("--model-dir", type=Path, help="an HF Llama directory, a GGUF or a registered model name "
+                                                  "(smollm2-135m-instruct) instead of a --model shape")
     ap.add_argument("--models-dir", type=Path, default=common.MODELS)
     ap.add_argument("--weights", default="none,bf16,int8,fp8")
     ap.add_argument("--kv", default="fp8_e4m3,bf16")
+    ap.add_argument("--eager", default="", help="weight modes to run again with the fused CPU decode kernels off "
+                                                "(KVWIRE_CPU_KERNELS=0: eager PyTorch ops), e.g. int8,bf16")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ", ".join(PEERS) + " (empty: none)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -61,13 +64,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
 
-    model_dir = args.model_dir or shapes.build(args.model, args.models_dir)
+    from kvwire.model.registry import resolve_model_path
+    model_dir = resolve_model_path(args.model_dir) if args.model_dir else shapes.build(args.model, args.models_dir)
     facts = machine.facts()
     base = {"model_dir": str(model_dir), "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
             "batches": [int(b) for b in args.batches.split(",")], "batch_ctx": args.batch_ctx,
             "threads": args.threads or facts["torch_threads"], "isolated": not args.in_process}
     configs = [(f"kvwire {w}/{kv}", {"engine": "kvwire", "weights": w, "kv": kv})
                for w in filter(None, args.weights.split(",")) for kv in filter(None, args.kv.split(","))]
+    configs += [(f"kvwire eager {w}/{kv}", {"engine": "kvwire", "weights": w, "kv": kv, "fused": False})
+                for w in filter(None, args.eager.split(",")) for kv in [w_kv for w_kv in args.kv.split(",") if w_kv][:1]]
     llama_ok, llama_status = llamacpp.status()
     for peer in filter(None, args.peers.split(",")):
         engine, w = PEERS[peer]

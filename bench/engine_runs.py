@@ -77,6 +77,8 @@ def run_kvwire(s: dict) -> dict:
     from kvwire.runtime import EngineConfig, load_engine
     eng = load_engine(EngineConfig(model_dir=Path(s["model_dir"]), weights=QuantMode(s["weights"]),
                                    kv_dtype=KVDtype(s["kv"])))
+    if not s.get("fused", True):
+        eng.model.step_fn = None  # eager PyTorch ops, for comparison with the fused decode kernels
     prompt, ctx = prompts(s, eng.model_config.vocab_size)
     longest = max(s["prompt_len"], s["batch_ctx"]) + s["decode_tokens"] + 2
     pages = max(s["batches"]) * eng.spec.pages_for(longest) + 4
@@ -102,7 +104,8 @@ def run_kvwire(s: dict) -> dict:
 def run_transformers(s: dict) -> dict:
     import transformers
     dtype = torch.bfloat16 if s["weights"] == "bf16" else torch.float32
-    hf = transformers.AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=dtype).eval()
+    from bench.hf_weights import hf_dir
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir(s["model_dir"]), dtype=dtype).eval()
     prompt, ctx = prompts(s, hf.config.vocab_size)
     state = {}
 

@@ -1,24 +1,30 @@
-"""Speculative decoding benchmark: batch-1 decode tokens/s for none, draft and ngram.
+"""Speculative decoding benchmark: decode tokens/s of none, ngram and draft, side by side in one run.
 
-    python -m bench.speculative --max-tokens 96 --k 4
+    python -m bench speculative --model smollm2-135m-instruct            # n-gram (no draft needed)
+    python -m bench speculative                                          # embedded pair: ngram + draft
+    python -m bench speculative --model-dir DIR --draft-model-dir DRAFT --batches 1,8 --prompts 12
 
 In process through the public engine API (``kvwire.LLM``: ``add_request`` + ``step``, no gRPC),
-so the numbers isolate decoding: the first step prefills the prompt locally (what prefill_svc
-would ship) and is not timed; only the decode steps after it are (the draft's prefill of the
-prompt, which decode_svc runs too, included).
-Two tasks on the embedded model pair:
+so the numbers isolate decoding: the first step admits and prefills the prompts (what prefill_svc
+would ship) and is not timed; the decode steps after it are (drafting included). Prompt sets
+(bench/prompts_spec.py): grounded (code editing, quoting from and summarizing a pasted document)
+and free chat. Greedy, stopping at EOS or ``--max-tokens``; every mode must produce plain greedy's
+tokens (checked and reported). Each mode runs on the same prompts interleaved, so machine noise
+hits all alike; speedups are against plain decode of the same run. Batch b steps b requests
+together (throughput). Acceptance rate = accepted / proposed tokens; tokens per step = decode
+tokens / decode steps, per request; turned_off / turned_on = requests whose speculation turned
+itself off / back on (SpecConfig). Greedy requests speculate only in steps of at most
+``--greedy-max-batch`` requests (SpecConfig.greedy_max_batch; 0 = any, to measure larger batches).
 
-* heldout: the start of each held-out pydoc topic (tools/train_embedded.py's split), continued;
-* grounded: a long held-out passage pasted twice, the second copy cut short, so the model
-  continues (repeats) text it has in its context: the case prompt lookup is for.
-
-Greedy decoding, so every mode must produce the same tokens (checked and reported). Writes JSON and
-a markdown table under bench/out/.
+Peer: transformers' prompt lookup (``prompt_lookup_num_tokens``) and assisted generation (with
+the draft) on the same prompts and the same weights (float32; a GGUF is exported to an HF
+directory first, bench/hf_weights.py), batch 1, speedup against its own plain ``generate``.
+Writes bench/out/speculative-<model>-<stamp>.{json,md}.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +32,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench import common, prompts_spec
 from kvwire import LLM, SamplingParams
 from kvwire.cli import DEFAULT_MODEL_DIR
-from kvwire.config import KVDtype
-from kvwire.tokenizer import ModelTokenizer
-
-OUT = Path(__file__).parent / "out"
+from kvwire.config import KVDtype, QuantMode
+from kvwire.engine.speculative import SpecConfig
 
 
 class Timer:
@@ -50,130 +55,206 @@ class Timer:
 
 
 @dataclass
-class Run:
-    tokens: list[int]
-    seconds: float
-    steps: int
-    drafted: int
-    accepted: int
-    spec_steps: int
-    t_draft: float
-    t_target: float
-
-
-@dataclass
 class Row:
     task: str
+    batch: int
     mode: str
     tokens: int = 0
     seconds: float = 0.0
-    steps: int = 0
+    steps: int = 0  # decode steps (a batch's step counts once)
+    req_steps: int = 0  # decode steps summed over requests
     drafted: int = 0
     accepted: int = 0
     spec_steps: int = 0
+    turned_off: int = 0
+    turned_on: int = 0
+    requests: int = 0
     t_draft: float = 0.0
     t_target: float = 0.0
     outputs: list = field(default_factory=list)
 
-    def add(self, r: Run) -> None:
-        self.tokens += len(r.tokens)
-        self.seconds += r.seconds
-        for f in ("steps", "drafted", "accepted", "spec_steps", "t_draft", "t_target"):
-            setattr(self, f, getattr(self, f) + getattr(r, f))
-        self.outputs.append(r.tokens)
-
     def summary(self, base: "Row | None") -> dict:
-        tok_s = self.tokens / self.seconds
-        return {"task": self.task, "mode": self.mode, "decode_tokens": self.tokens, "tok_s": round(tok_s, 1),
+        tok_s = self.tokens / self.seconds if self.seconds else 0.0
+        return {"task": self.task, "batch": self.batch, "mode": self.mode, "decode_tokens": self.tokens,
+                "tok_s": round(tok_s, 1),
                 "speedup": round(tok_s / (base.tokens / base.seconds), 2) if base else 1.0,
                 "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else None,
-                "accepted_per_step": round(self.accepted / self.spec_steps, 2) if self.spec_steps else None,
-                "tokens_per_step": round(self.tokens / self.steps, 2),
-                "ms_per_step": round(1e3 * self.seconds / self.steps, 2),
-                "draft_ms_per_step": round(1e3 * self.t_draft / self.steps, 2),
-                "target_ms_per_step": round(1e3 * self.t_target / self.steps, 2),
+                "accepted_per_spec_step": round(self.accepted / self.spec_steps, 2) if self.spec_steps else None,
+                "tokens_per_step": round(self.tokens / self.req_steps, 2) if self.req_steps else None,
+                "turned_off": f"{self.turned_off}/{self.requests}", "turned_on": f"{self.turned_on}/{self.requests}",
+                "ms_per_step": round(1e3 * self.seconds / self.steps, 2) if self.steps else None,
+                "draft_ms_per_step": round(1e3 * self.t_draft / self.steps, 2) if self.steps else None,
+                "target_ms_per_step": round(1e3 * self.t_target / self.steps, 2) if self.steps else None,
                 "identical_to_none": None if base is None else self.outputs == base.outputs}
 
 
-def decode_one(llm: LLM, timers: dict[str, Timer], prompt: list[int], mode: str, k: int, max_tokens: int) -> Run:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=mode, num_speculative_tokens=k or None)
-    rid = llm.add_request(prompt, params)
-    req = llm.core.requests[rid]  # its counters (steps, drafted, accepted) outlive the request
-    llm.step()  # admission + local prefill: the first token, not timed
+def decode(llm: LLM, timers: dict[str, Timer], row: Row, prompts: list[list[int]], mode: str, k: int,
+           max_tokens: int) -> None:
+    """Run ``prompts`` as one batch; add the decode-phase counts to ``row``."""
+    params = SamplingParams(max_tokens=max_tokens, speculative=mode, num_speculative_tokens=k or None)
+    reqs = [llm.core.requests[llm.add_request(p, params)] for p in prompts]  # counters outlive the request
+    llm.step()  # admission + local prefill: the first tokens, not timed
     for t in timers.values():
         t.seconds = 0.0
-    t0 = time.perf_counter()
+    steps, t0 = 0, time.perf_counter()
     while llm.has_unfinished():
         llm.step()
-    seconds = time.perf_counter() - t0
-    return Run(req.output_ids[1:], seconds, req.steps, req.drafted, req.accepted, req.spec_steps,
-               timers["draft"].seconds, timers["target"].seconds)
+        steps += 1
+    row.seconds += time.perf_counter() - t0
+    row.steps += steps
+    row.t_draft += timers["draft"].seconds
+    row.t_target += timers["target"].seconds
+    for r in reqs:
+        row.tokens += len(r.output_ids) - 1
+        row.req_steps += r.steps
+        row.drafted, row.accepted, row.spec_steps = row.drafted + r.drafted, row.accepted + r.accepted, \
+            row.spec_steps + r.spec_steps
+        row.turned_off += r.turned_off > 0
+        row.turned_on += r.turned_on > 0
+        row.requests += 1
+        row.outputs.append(r.output_ids)
 
 
-def build_prompts(tok: ModelTokenizer, n: int, prompt_len: int, passage_len: int, cut: int):
-    from tools.train_embedded import load_corpus
-    _, held, names = load_corpus()
-    heldout, grounded = [], []
-    for text in held[:n]:
-        ids = tok.encode(text)
-        heldout.append(ids[:prompt_len])
-        passage = ids[1:1 + passage_len]
-        grounded.append(ids[:1] + passage + tok.encode("\n\n", add_special_tokens=False) + passage[:cut])
-    return {"heldout": heldout, "grounded": grounded}, names[:n]
+def batches_of(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
+    """Groups of b prompts (cycling through the set when it has fewer)."""
+    n = max(len(prompts), b)
+    return [[prompts[(i + j) % len(prompts)] for j in range(b)] for i in range(0, n - b + 1, b)] or [prompts[:b]]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    ap.add_argument("--draft-model-dir", type=Path, default=DEFAULT_MODEL_DIR.parent / "kvwire-tiny-draft")
+def transformers_peer(model_path: Path, draft_dir: Path | None, prompts: dict, k: int, max_tokens: int,
+                      eos: list[int]) -> list[dict]:
+    """Batch-1 decode tok/s of transformers' plain, prompt-lookup and assisted generate, float32."""
+    import transformers
+    from bench.hf_weights import hf_dir
+    transformers.logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir(model_path), dtype=torch.float32).eval()
+    assistant = transformers.AutoModelForCausalLM.from_pretrained(hf_dir(draft_dir)).eval() if draft_dir else None
+    modes = {"none": {}, "ngram": {"prompt_lookup_num_tokens": k}}
+    if assistant is not None:
+        modes["draft"] = {"assistant_model": assistant}
+    out = []
+
+    def gen(ids, n, kw):
+        t = time.perf_counter()
+        with torch.no_grad():
+            o = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                            pad_token_id=eos[0] if eos else 0, **kw)
+        return time.perf_counter() - t, o[0, len(ids):].tolist()
+
+    for task, ps in prompts.items():
+        acc = {m: [0, 0.0, []] for m in modes}
+        for ids in tqdm(ps, desc=f"transformers {task}", unit="prompt"):
+            first, _ = gen(ids, 1, {})  # prefill + first token: subtracted from every mode's time
+            for m, kw in modes.items():
+                t, toks = gen(ids, max_tokens, kw)
+                acc[m][0] += len(toks) - 1
+                acc[m][1] += max(t - first, 1e-9)
+                acc[m][2].append(toks)
+        base = acc["none"][0] / acc["none"][1]
+        for m, (n, s, outs) in acc.items():
+            out.append({"task": task, "mode": m, "decode_tokens": n, "tok_s": round(n / s, 1),
+                        "speedup": round(n / s / base, 2), "identical_to_none": outs == acc["none"][2]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench speculative", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a registered model name (python -m tools.fetch_model --list)")
+    src.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="an HF directory or a .gguf")
+    ap.add_argument("--draft-model-dir", type=Path, default=None,
+                    help="draft model (default: <model-dir>-draft beside the model when it exists; none: "
+                         "the draft mode is skipped)")
+    ap.add_argument("--modes", default="none,ngram,draft", help="comma list of none, ngram, draft")
+    ap.add_argument("--weights", choices=[m.value for m in QuantMode], default=QuantMode.INT8.value)
     ap.add_argument("--kv-dtype", choices=[d.value for d in KVDtype], default=KVDtype.FP8_E4M3.value)
     ap.add_argument("--draft-kv-dtype", choices=[d.value for d in KVDtype], default=KVDtype.BF16.value)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens for draft")
     ap.add_argument("--ngram-k", type=int, default=8, help="num_speculative_tokens for ngram")
-    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--prompts", type=int, default=8, help="held-out topics used (8 are held out)")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--passage-len", type=int, default=320, help="grounded task: tokens pasted")
-    ap.add_argument("--cut", type=int, default=16, help="grounded task: tokens of the second copy given")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny matmuls gain nothing from more)")
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
+    ap.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True, help="adapt k per request")
+    ap.add_argument("--auto-off", action=argparse.BooleanOptionalAction, default=True,
+                    help="speculation turns itself off per request at low acceptance (SpecConfig)")
+    ap.add_argument("--greedy-max-batch", type=int, default=SpecConfig.greedy_max_batch,
+                    help="greedy requests speculate only in steps of at most this many requests (0: any)")
+    ap.add_argument("--tasks", default="grounded,chat")
+    ap.add_argument("--prompts", type=int, default=6, help="prompts per task")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--context", type=int, default=400, help="grounded: tokens of pasted document at most")
+    ap.add_argument("--peers", default="transformers", help="'transformers' or '' (none)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads, ours and the peer's")
+    ap.add_argument("--out", type=Path, default=common.OUT)
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    model = Path(args.model) if args.model else args.model_dir
+    draft = args.draft_model_dir
+    if draft is None and args.model is None and (model.parent / f"{model.name}-draft").is_dir():
+        draft = model.parent / f"{model.name}-draft"
+    modes = [m for m in args.modes.split(",") if m and (m != "draft" or draft is not None)]
+    k_of = {"none": 0, "ngram": args.ngram_k, "draft": args.k}
 
-    llm = LLM(args.model_dir, kv_dtype=args.kv_dtype, num_pages=256, draft_model=args.draft_model_dir,
-              draft_kv_dtype=args.draft_kv_dtype, speculative_adaptive=args.adaptive)
+    llm = LLM(model, weights=args.weights, kv_dtype=args.kv_dtype, num_pages=2048, draft_model=draft,
+              draft_kv_dtype=args.draft_kv_dtype, speculative_adaptive=args.adaptive,
+              speculative_auto_off=args.auto_off)
+    llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, greedy_max_batch=args.greedy_max_batch)
     llm.core.runner.warm_up()
+    tok = llm.tokenizer
+    texts = {"grounded": prompts_spec.grounded(tok, args.prompts, args.context),
+             "chat": prompts_spec.chat(args.prompts)}
+    prompts = {t: [prompts_spec.encode(tok, x) for x in texts[t]] for t in args.tasks.split(",")}
     timers = {"draft": Timer(llm.core.runner, "propose"), "target": Timer(llm.core.runner, "step")}
-    prompts, names = build_prompts(ModelTokenizer(args.model_dir), args.prompts, args.prompt_len,
-                                   args.passage_len, args.cut)
-    plan = [("heldout", "none", 0), ("heldout", "draft", args.k), ("heldout", "ngram", args.ngram_k),
-            ("grounded", "none", 0), ("grounded", "draft", args.k), ("grounded", "ngram", args.ngram_k)]
-    rows = {(t, m): Row(t, m) for t, m, _ in plan}
-    for task, mode, k in plan:  # one untimed warm-up decode per configuration
-        decode_one(llm, timers, prompts[task][0], mode, k, 8)
-    total = sum(len(prompts[t]) for t, _, _ in plan)
-    with tqdm(total=total, desc="decoding", unit="run") as bar:
-        for i in range(args.prompts):  # modes interleaved per prompt: machine noise hits all alike
-            for task, mode, k in plan:
-                rows[task, mode].add(decode_one(llm, timers, prompts[task][i], mode, k, args.max_tokens))
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = {(t, b, m): Row(t, b, m) for t in prompts for b in batches for m in modes}
+    for m in modes:  # one untimed warm-up decode per mode
+        decode(llm, timers, Row("warm", 1, m), [prompts[next(iter(prompts))][0]], m, k_of[m], 8)
+    plan = [(t, b, group) for t in prompts for b in batches for group in batches_of(prompts[t], b)]
+    with tqdm(total=len(plan) * len(modes), desc="decoding", unit="run") as bar:
+        for t, b, group in plan:
+            for m in modes:  # modes interleaved per group: machine noise hits all alike
+                decode(llm, timers, rows[t, b, m], group, m, k_of[m], args.max_tokens)
                 bar.update(1)
-    results = [rows[t, m].summary(None if m == "none" else rows[t, "none"]) for t, m, _ in plan]
-    meta = {"model_dir": str(args.model_dir), "draft_model_dir": str(args.draft_model_dir),
-            "kv_dtype": args.kv_dtype, "draft_kv_dtype": args.draft_kv_dtype, "k_draft": args.k,
-            "k_ngram": args.ngram_k, "adaptive_k": args.adaptive, "max_tokens": args.max_tokens,
-            "prompt_len": args.prompt_len, "passage_len": args.passage_len, "threads": args.threads,
-            "heldout_topics": names, "torch": torch.__version__}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "speculative.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    cols = ["task", "mode", "tok_s", "speedup", "acceptance_rate", "accepted_per_step", "tokens_per_step",
-            "ms_per_step", "draft_ms_per_step", "target_ms_per_step", "identical_to_none"]
-    md = [f"# Speculative decoding, batch 1 (greedy, {args.max_tokens} tokens, k draft {args.k} / ngram "
-          f"{args.ngram_k}, adaptive {args.adaptive}, KV {args.kv_dtype}, {args.threads} threads)", "",
-          "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in results]
-    (args.out / "speculative.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    results = [rows[t, b, m].summary(None if m == "none" else rows[t, b, "none"])
+               for t in prompts for b in batches for m in modes]
+    peer = []
+    if args.peers == "transformers":
+        try:
+            eos = sorted(llm.core.eos_ids)
+            peer = transformers_peer(model, draft if "draft" in modes else None,
+                                     {t: ps for t, ps in prompts.items()},
+                                     args.ngram_k, args.max_tokens, eos)
+        except Exception as e:  # a peer failure must not lose our own numbers
+            peer = [{"error": repr(e)}]
+    report = {"benchmark": "speculative", "model": model.stem if model.suffix == ".gguf" else model.name,
+              "draft": str(draft) if draft else None, "weights": args.weights, "kv_dtype": args.kv_dtype,
+              "draft_kv_dtype": args.draft_kv_dtype, "k_draft": args.k, "k_ngram": args.ngram_k,
+              "adaptive": args.adaptive, "auto_off": args.auto_off, "greedy_max_batch": args.greedy_max_batch,
+              "max_tokens": args.max_tokens,
+              "threads": args.threads, "prompts": {t: len(ps) for t, ps in prompts.items()},
+              "prompt_tokens_mean": {t: round(sum(map(len, ps)) / len(ps)) for t, ps in prompts.items()},
+              "torch": torch.__version__, "results": results, "transformers": peer}
+    common.save(report, markdown(report), args.out)
+    return report
+
+
+def markdown(report: dict) -> str:
+    cols = ["task", "batch", "mode", "tok_s", "speedup", "acceptance_rate", "tokens_per_step", "turned_off",
+            "turned_on", "ms_per_step", "draft_ms_per_step", "target_ms_per_step", "identical_to_none"]
+    lines = [f"Model {report['model']}, {report['weights']} weights, KV {report['kv_dtype']}, greedy, up to "
+             f"{report['max_tokens']} tokens, k ngram {report['k_ngram']} / draft {report['k_draft']}, adaptive "
+             f"{report['adaptive']}, auto-off {report['auto_off']}, greedy max batch {report['greedy_max_batch']}, "
+             f"{report['threads']} thread(s); prompts per task "
+             f"{report['prompts']} (mean prompt tokens {report['prompt_tokens_mean']}). Speedup: decode tokens/s "
+             "against plain decode in the same run; tokens_per_step per request.", "",
+             common.table(cols, [[r[c] for c in cols] for r in report["results"]])]
+    peer = report.get("transformers") or []
+    if peer and "error" in peer[0]:
+        lines += ["", f"transformers: {peer[0]['error']}"]
+    elif peer:
+        pc = ["task", "mode", "tok_s", "speedup", "identical_to_none"]
+        lines += ["", "transformers (float32, batch 1; ngram = prompt_lookup_num_tokens, draft = assistant_model):",
+                  "", common.table(pc, [[r[c] for c in pc] for r in peer])]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ from kvwire.files import LoadError
 from kvwire.model.source import eos_token_ids, load_config
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.core import EngineCore
-from kvwire.engine.kv_source import KVSourcePolicy, KVSources, LocalPrefill, RemotePrefill
+from kvwire.engine.kv_source import DEFAULT_TRANSFER_TIMEOUT_S, KVSourcePolicy, KVSources, LocalPrefill, RemotePrefill
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
 from kvwire.engine.speculative import SpecConfig
 from kvwire.sampling_params import SpeculativeMode
+from decode_svc.readiness import PrefillWatch
 from decode_svc.server import DecodeServicer
 from protos.kvwire.v1 import kvwire_pb2_grpc
 
@@ -45,23 +46,32 @@ async def serve(args: argparse.Namespace) -> None:
     runner = ModelRunner(engine, engine_cfg.num_pages, draft, prefix_caching=args.prefix_caching)
     await asyncio.to_thread(runner.warm_up)
     spec_cfg = SpecConfig(mode=SpeculativeMode(args.speculative), num_tokens=args.num_speculative_tokens,
-                          adaptive=args.adaptive_speculation, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+                          adaptive=args.adaptive_speculation, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                          auto_off=args.speculative_auto_off, greedy_max_batch=args.speculative_greedy_max_batch)
     core = EngineCore(runner, SchedulerConfig(total_pages=engine_cfg.num_pages, max_waiting=args.max_waiting,
                                               max_running=args.max_running), spec_cfg, eos)
     # Without --prefill-addr every prompt prefills here; with it, KVSources picks per request.
     channel = build_channel(args.prefill_addr, security=security.client_security(args, "prefill")) if args.prefill_addr else None
-    remote = RemotePrefill(runner, kvwire_pb2_grpc.PrefillServiceStub(channel), channel) if channel else None
+    remote = RemotePrefill(runner, kvwire_pb2_grpc.PrefillServiceStub(channel), channel,
+                           transfer_timeout_s=args.kv_transfer_timeout_s) if channel else None
+    watch = PrefillWatch(channel, remote, server if args.readiness_follows_prefill else None,
+                         args.prefill_health_interval_s) if remote else None
     policy = KVSourcePolicy(local_max_tokens=args.local_prefill_max_tokens,
                             remote_max_inflight=args.remote_prefill_max_inflight)
     decode = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, policy))
     decode.start()
     metrics.watch_pool(decode.stats)  # running/waiting requests, KV pool use
     lazy.set(DecodeServicer(decode))
+    first = await watch.check() if watch else True  # before SERVING: readiness right from the first probe
     await server.set_serving()
+    if watch:
+        await watch.start(first)
     log.info("decode_svc SERVING on port %d (prefill at %s)", port, args.prefill_addr or "none: local only")
     try:
         await server.serve_until_signal(grace_s=args.grace_s, drain_delay_s=args.drain_delay_s)
     finally:
+        if watch:
+            await watch.close()
         await decode.close()
         if channel is not None:
             await channel.close()
@@ -122,6 +132,16 @@ def main() -> None:
                          "pages decode lacks are computed locally or asked from prefill_svc")
     ap.add_argument("--remote-prefill-max-inflight", type=int, default=8,
                     help="with this many remote prefills running, further prompts prefill here (overload)")
+    ap.add_argument("--kv-transfer-timeout-s", type=float, default=DEFAULT_TRANSFER_TIMEOUT_S,
+                    help="longest a KV pull from prefill_svc may take (capped further by the caller's deadline); "
+                         "a stalled prefill ends the request DEADLINE_EXCEEDED and frees its pages")
+    ap.add_argument("--prefill-health-interval-s", type=float, default=5.0,
+                    help="how often prefill_svc's health is checked; while it is not SERVING, AUTO requests "
+                         "prefill here")
+    ap.add_argument("--readiness-follows-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="report kvwire.v1.DecodeService NOT_SERVING while prefill_svc is unreachable (the "
+                         "overall health, for liveness, stays SERVING); --no-readiness-follows-prefill keeps "
+                         "decode ready, prefilling locally")
     ap.add_argument("--max-running", type=int, default=16, help="requests decoded together at most")
     ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before RESOURCE_EXHAUSTED")
     sp = ap.add_argument_group("speculative decoding")
@@ -132,6 +152,11 @@ def main() -> None:
     sp.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
                     help="adapt k per request to its acceptance (+2 when all accepted, -1 otherwise, "
                          "between 1 and the request's k)")
+    sp.add_argument("--speculative-auto-off", action=argparse.BooleanOptionalAction, default=True,
+                    help="a request stops speculating while its acceptance is below break-even (and n-gram "
+                         "requests start again when their lookups would have paid)")
+    sp.add_argument("--speculative-greedy-max-batch", type=int, default=SpecConfig.greedy_max_batch, metavar="N",
+                    help="greedy requests do not speculate in decode steps of more than N requests (0: no limit)")
     sp.add_argument("--draft-model-dir", default=None,
                     help="draft model (same tokenizer as --model-dir); loaded only when given, or with "
                          "--speculative draft from <model-dir>-draft beside the model; '' = none")
@@ -145,6 +170,8 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         ap.error(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+    if args.kv_transfer_timeout_s <= 0 or args.prefill_health_interval_s <= 0:
+        ap.error("--kv-transfer-timeout-s and --prefill-health-interval-s must be positive")
     if not 1 <= args.ngram_min <= args.ngram_max:
         ap.error("--ngram-min and --ngram-max need 1 <= min <= max")
     cli.setup_logging(args.log_level)

@@ -1,11 +1,13 @@
 """DecodeService: a thin gRPC shell over kvwire's AsyncEngine (token ids in, token ids out)."""
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 from opentelemetry import trace
 
 from kvwire.engine.async_engine import AsyncEngine
+from kvwire.serving import close_when_rpc_ends, deadline_of
 from protos import convert as conv
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc
@@ -27,15 +29,18 @@ class DecodeServicer(kvwire_pb2_grpc.DecodeServiceServicer):
                              "gen_ai.request.temperature": params.temperature,
                              "gen_ai.usage.input_tokens": len(prompt)})
         completion = 0
-        async for out in self.engine.generate(prompt, params, request_id, kv_source):
-            completion += len(out.token_ids)
-            msg = pb.GenerateTokensResponse(token_ids=out.token_ids)
-            if out.finished:
-                msg.finish_reason = conv.finish_to_pb(out.finish_reason)
-                msg.usage.prompt_tokens, msg.usage.completion_tokens = len(prompt), completion
-                span.set_attributes({"gen_ai.usage.output_tokens": completion,
-                                     "gen_ai.response.finish_reasons": [out.finish_reason.value]})
-            yield msg
+        stream = self.engine.generate(prompt, params, request_id, kv_source, deadline_of(context))
+        close_when_rpc_ends(context, stream)  # a cancelled call's pages go back now, not at GC time
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                completion += len(out.token_ids)
+                msg = pb.GenerateTokensResponse(token_ids=out.token_ids)
+                if out.finished:
+                    msg.finish_reason = conv.finish_to_pb(out.finish_reason)
+                    msg.usage.prompt_tokens, msg.usage.completion_tokens = len(prompt), completion
+                    span.set_attributes({"gen_ai.usage.output_tokens": completion,
+                                         "gen_ai.response.finish_reasons": [out.finish_reason.value]})
+                yield msg
 
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest, context) -> pb.GetPoolStatsResponse:
         s = self.engine.stats()

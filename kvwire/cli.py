@@ -23,8 +23,9 @@ def add_engine_args(ap: argparse.ArgumentParser, default_pages: int) -> None:
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                     help="local HF model directory (config.json + safetensors), a .gguf file or a directory "
                          "holding one, or a fetched model's name (python -m tools.fetch_model --list)")
-    ap.add_argument("--weights", choices=[m.value for m in QuantMode], default=QuantMode.NONE.value,
-                    help="weight mode: none (checkpoint as fp32), bf16, int8 (weight-only), fp8 (W8A8)")
+    ap.add_argument("--weights", choices=[m.value for m in QuantMode], default=QuantMode.INT8.value,
+                    help="weight mode: int8 (default: weight-only, the fastest within the accuracy budget), "
+                         "bf16, fp8 (weight-only e4m3), none (the checkpoint as fp32)")
     ap.add_argument("--kv-dtype", choices=[d.value for d in KVDtype], default=KVDtype.FP8_E4M3.value,
                     help="KV page dtype, in memory and on the wire")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page")

@@ -24,7 +24,20 @@ class NotFound(KvwireError):
 
 
 class ResourceExhausted(KvwireError):
-    """Not now or not ever enough capacity (pool pages, queue slots, context length)."""
+    """Not enough capacity now (pool pages, queue slots): retrying later may succeed. The message
+    says "retry later"."""
+
+
+class NeverFits(InvalidRequest, ResourceExhausted):
+    """The request can never run here, however long the caller waits: its prompt (+ max_tokens)
+    needs more than a pool holds or than the model's context. INVALID_ARGUMENT, so that no client
+    retries it; a ResourceExhausted too, for in-process callers. Build it with :func:`never_fits`
+    so every service words it the same ("can never fit")."""
+
+
+def never_fits(reason: str, fix: str = "lower max_tokens or shorten the prompt") -> NeverFits:
+    """``NeverFits("<reason>: it can never fit; <fix>")``: the one wording of every service."""
+    return NeverFits(f"{reason}: it can never fit; {fix}")
 
 
 class FailedPrecondition(KvwireError):
@@ -32,7 +45,8 @@ class FailedPrecondition(KvwireError):
 
 
 class DataLoss(KvwireError):
-    """Bytes arrived corrupted or incomplete (a KV chunk failed its checksum or size check)."""
+    """Bytes arrived corrupted or incomplete (a KV chunk failed its checksum or size check, held
+    non-finite numbers; a peer sent a token outside the vocabulary)."""
 
 
 class Unavailable(KvwireError):

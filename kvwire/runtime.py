@@ -13,6 +13,7 @@ from kvwire.fingerprint import Fingerprint, fingerprint
 from kvwire.kv.spec import KVPageSpec
 from kvwire.model.loader import load_model
 from kvwire.model.model import Transformer
+from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,14 @@ class Runtime:
 def load_engine(cfg: EngineConfig) -> Runtime:
     weights = QuantMode(cfg.weights)
     dtype = DType.BF16 if weights == QuantMode.BF16 else DType.FP32
-    loaded = load_model(cfg.model_dir, dtype=dtype, device=cfg.device)
+    # int8/fp8: each Linear is quantized as the loader reads its pieces (never a fp32 model first);
+    # the layers are bit-identical to quantize_model(load_model(...), ...).
+    quantize = load_quantizer(weights, include_lm_head=weights in HEAD_QUANTIZED)
+    loaded = load_model(cfg.model_dir, dtype=dtype, device=cfg.device, quantize=quantize)
     model = loaded.model
-    if weights in (QuantMode.INT8, QuantMode.FP8):
-        from kvwire.model.quant import quantize_model
-        model = quantize_model(model, weights)
+    if cfg.device == "cpu":
+        from kvwire.model.fast_decode import FastDecode
+        model.step_fn = FastDecode.build(model)  # None: no compiler or an unsupported layer/shape
     spec = KVPageSpec.for_model(loaded.config, cfg.block_size, cfg.kv_dtype)
     fp = fingerprint(cfg.model_dir, loaded.config, loaded.weights_sha256, weights.value, dtype.value)
     return Runtime(cfg, model, loaded.config, spec, fp)

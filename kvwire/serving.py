@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import signal
+import time
 from typing import Any, Callable
 
 import grpc
@@ -144,6 +145,38 @@ def _wrap(behavior: Callable, method: str, response_streaming: bool) -> Callable
     return behavior  # synchronous handlers are not used in kvwire; leave them alone
 
 
+_closing: set[asyncio.Task] = set()  # strong references until each close has run
+
+
+def close_when_rpc_ends(context: grpc.aio.ServicerContext, stream: Any) -> None:
+    """Close the async generator ``stream`` as soon as the RPC ends, whatever its handler does.
+
+    On a cancelled call grpc may stop iterating a streaming handler that sits at a ``yield`` (it
+    was awaiting the write) without closing it: the ``finally`` of every generator under it, the one
+    that frees a request's pages, would then wait for garbage collection. A generator that is
+    running (awaiting inside) is left alone: the cancellation of its task reaches it there. Closing
+    an exhausted generator does nothing."""
+    loop = asyncio.get_running_loop()
+
+    async def close() -> None:
+        with contextlib.suppress(RuntimeError):  # started running in the meantime: cancelled there
+            await stream.aclose()
+
+    def schedule() -> None:
+        if not stream.ag_running:
+            task = loop.create_task(close())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+
+    context.add_done_callback(lambda _: loop.call_soon_threadsafe(schedule))
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The caller's deadline in ``time.monotonic()`` seconds, or None when it set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every async handler so exceptions leave as statuses chosen by :func:`status_for`."""
 
@@ -164,9 +197,12 @@ def _traced() -> Callable:
 
 
 # Keepalive: a peer that vanished without a FIN (node lost, network partition) is noticed within
-# KEEPALIVE_TIME + KEEPALIVE_TIMEOUT instead of never. Servers accept pings this often.
+# KEEPALIVE_TIME + KEEPALIVE_TIMEOUT instead of never, also while a stream carries no data (a
+# stalled KV pull: max_pings_without_data 0 = keep pinging). Servers accept pings this often. A peer
+# that is alive but sends nothing is bounded by the call's deadline (decode: --kv-transfer-timeout-s).
 KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000
+MAX_RECONNECT_BACKOFF_MS = 5_000
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -175,6 +211,10 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.max_pings_without_data", 0),
+            # A peer that was down is retried at least this often (gRPC's default backoff grows to
+            # 2 minutes): decode notices a restarted prefill within seconds.
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
             ("grpc.service_config", json.dumps(service_config))]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvwire.errors import InvalidRequest
+from kvwire.errors import InvalidRequest, never_fits
 from kvwire.sampling_params import SamplingParams
 
 
@@ -39,6 +39,5 @@ def validate_request(prompt: Sequence[int], params: SamplingParams | None, limit
     if limits.max_context is not None:
         extra = new_tokens if new_tokens is not None else (params.max_tokens if params is not None else 0)
         if len(prompt) + extra > limits.max_context:
-            raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({extra}) exceeds the model's context of "
-                f"{limits.max_context} tokens; lower max_tokens or shorten the prompt")
+            raise never_fits(f"prompt ({len(prompt)} tokens) + max_tokens ({extra}) exceeds the model's "
+                             f"context of {limits.max_context} tokens")

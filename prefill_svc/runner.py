@@ -15,7 +15,7 @@ import torch
 
 from kvwire.engine.chunked import PrefixPrefill
 from kvwire.engine.prefix_cache import PrefixCache, cache_salt
-from kvwire.errors import ResourceExhausted
+from kvwire.errors import ResourceExhausted, never_fits
 from kvwire.kv.pool import OutOfPages
 from kvwire.runtime import Runtime
 
@@ -49,6 +49,14 @@ class PrefillRunner:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the page pool between the worker and the event loop
 
+    def check_fits(self, num_tokens: int) -> None:
+        """NeverFits when a prompt of ``num_tokens`` tokens needs more pages than the whole pool
+        (a full pool later is ResourceExhausted, "retry later", from ``forward``)."""
+        need = self.cache.tables.max_pages(num_tokens, num_tokens, 0)
+        if need > self.cache.pool.num_pages:
+            raise never_fits(f"prompt ({num_tokens} tokens) needs {need} KV pages but the prefill pool has "
+                             f"{self.cache.pool.num_pages}", fix="shorten the prompt")
+
     def new_sequence(self) -> int:
         return next(self._ids)
 
@@ -69,7 +77,7 @@ class PrefillRunner:
                 positions = self.cache.prepare([seq], [len(tokens) - start])
             except OutOfPages as e:
                 self.cache.reset(seq)
-                raise ResourceExhausted(f"prefill KV pool is full ({e}); retry later") from e
+                raise ResourceExhausted(f"the prefill KV pool is full of other prompts ({e}); retry later") from e
         try:
             kv = PrefixPrefill(self.cache, seq, start, len(tokens) - start) if start else self.cache
             logits = self.runtime.model(torch.tensor(tokens[start:]), positions, _LayerHook(kv, on_layer, abort),

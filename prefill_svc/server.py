@@ -35,6 +35,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
         cfg = runner.runtime.model_config
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        self.active_streams = 0  # Prefill streams past validation and not yet ended
 
     def _check_expectations(self, request: pb.PrefillRequest) -> None:
         diffs = []
@@ -60,6 +61,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
         tokens = list(request.token_ids)
         params = conv.sampling_from_pb(request.sampling)
         validate_request(tokens, params, self.limits, what="token_ids", new_tokens=0)  # KV of the prompt only
+        self.runner.check_fits(len(tokens))
         self._check_expectations(request)
         skip = self._check_cached_prefix(request, tokens)  # pages decode holds: not sent
         spec = self.runtime.spec
@@ -74,6 +76,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
         def on_layer(layer: int) -> None:  # worker thread
             loop.call_soon_threadsafe(layers.put_nowait, layer)
 
+        self.active_streams += 1
         seq = self.runner.new_sequence()
         fut = loop.run_in_executor(self.executor, self.runner.forward, seq, tokens, on_layer, abort)
         fut.add_done_callback(lambda _: loop.call_soon_threadsafe(layers.put_nowait, _DONE))
@@ -83,6 +86,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
             nonlocal ended
             if not ended:
                 ended = True
+                self.active_streams -= 1
                 abort.set()
                 fut.add_done_callback(lambda f: self._release_when_done(f, seq))
 
@@ -116,3 +120,12 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
         # belong to this stream, which has ended, so they go back now (a failed one freed its own).
         if not fut.cancelled() and fut.exception() is None:
             self.runner.release(seq)
+
+    async def GetPrefillPoolStats(self, request: pb.GetPrefillPoolStatsRequest,
+                                  context) -> pb.GetPrefillPoolStatsResponse:
+        s, spec = self.runner.stats(), self.runtime.spec
+        return pb.GetPrefillPoolStatsResponse(
+            total_pages=s["num_pages"], free_pages=s["free"], used_pages=s["used"],
+            active_streams=self.active_streams, spec=conv.spec_to_pb(spec),
+            page_bytes=spec.page_bytes_per_layer * spec.num_layers, usage_fraction=s["used"] / s["num_pages"],
+            cached_pages=s["cached_pages"])

@@ -112,6 +112,10 @@ def _sampling(body: dict, chat: bool) -> pb.SamplingParams:
     for param, read in (("temperature", _number), ("top_p", _number), ("top_k", _integer), ("seed", _integer)):
         if (v := read(body, param)) is not None:
             values[param] = (param, v)
+    if body.get("ignore_eos") is not None:  # vLLM's extension: generate max_tokens whatever the model says
+        if not isinstance(body["ignore_eos"], bool):
+            raise invalid(f"ignore_eos must be a boolean, got {body['ignore_eos']!r}", "ignore_eos")
+        values["ignore_eos"] = ("ignore_eos", body["ignore_eos"])
     if "seed" in values and not 0 <= values["seed"][1] <= MAX_SEED:
         raise invalid(f"seed must be in [0, 2^64), got {values['seed'][1]}", "seed")
     # Each field alone first, so a refusal names the param; then all together.

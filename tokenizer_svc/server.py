@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from kvwire import errors, metrics
 from kvwire.security import ClientSecurity, ServerSecurity
-from kvwire.serving import DEFAULT_MAX_MESSAGE_BYTES
+from kvwire.serving import DEFAULT_MAX_MESSAGE_BYTES, close_when_rpc_ends
 from kvwire.sampling_params import FinishReason
 from kvwire.tokenizer import ChatMessage, ModelTokenizer
 from kvwire.validation import RequestLimits, check_token_ids, validate_request
@@ -177,7 +177,9 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         return pb.DetokenizeResponse(text=self.tok.decode(list(request.token_ids), skip_special_tokens=skip))
 
     async def GenerateText(self, request: pb.GenerateTextRequest, context):
-        async with contextlib.aclosing(self.generate_text(request, context.time_remaining())) as responses:
+        responses = self.generate_text(request, context.time_remaining())
+        close_when_rpc_ends(context, responses)  # a cancelled caller cancels decode now, not at GC time
+        async with contextlib.aclosing(responses):
             async for response in responses:
                 yield response
 

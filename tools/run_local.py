@@ -3,7 +3,7 @@ streamed completion through the front door, then a graceful shutdown.
 
     python -m tools.run_local --prompt "The for statement" --max-tokens 80
     python -m tools.run_local --keep-running      # leave the services up (Ctrl-C stops them)
-    python -m tools.run_local --model-dir smollm2-135m-instruct --weights bf16 --chat \
+    python -m tools.run_local --model-dir smollm2-135m-instruct --weights int8 --chat \
         --prompt "What is the capital of France?"     # the real model (python -m tools.fetch_model first)
 
 Service logs go to --log-dir (default: a temporary folder, printed at start).
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                     help="model directory, .gguf file or fetched model name (e.g. smollm2-135m-instruct)")
     ap.add_argument("--chat", action="store_true", help="send --prompt as a user chat message (chat template)")
-    ap.add_argument("--weights", default="none", help="none | bf16 | int8 | fp8")
+    ap.add_argument("--weights", default="int8", help="int8 (default) | bf16 | fp8 | none")
     ap.add_argument("--kv-dtype", default="fp8_e4m3", help="fp8_e4m3 | bf16")
     ap.add_argument("--prompt", default="The for statement")
     ap.add_argument("--max-tokens", type=int, default=80)

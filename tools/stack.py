@@ -29,8 +29,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(addr: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll the standard health service until it answers SERVING (raise on timeout or exit)."""
+def wait_serving(addr: str, timeout_s: float, proc: subprocess.Popen | None = None, service: str = "") -> None:
+    """Poll the standard health service until it answers SERVING for ``service`` ("" = the server as
+    a whole; a service name = ready, e.g. decode once its prefill replica answers) (raise on timeout or exit)."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(addr) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -38,7 +39,7 @@ def wait_serving(addr: str, timeout_s: float, proc: subprocess.Popen | None = No
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"the service at {addr} exited with code {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                if stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1).status == \
                         health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
@@ -46,6 +47,10 @@ def wait_serving(addr: str, timeout_s: float, proc: subprocess.Popen | None = No
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{addr} not SERVING after {timeout_s:.0f} s")
             time.sleep(0.2)
+
+
+SERVICE_NAMES = {"prefill_svc": "kvwire.v1.PrefillService", "decode_svc": "kvwire.v1.DecodeService",
+                 "tokenizer_svc": "kvwire.v1.TokenizerService"}
 
 
 @dataclass
@@ -87,8 +92,8 @@ class Stack:
                 [sys.executable, "-m", name, *self._flags(name)], cwd=REPO, env=env,
                 stdout=out, stderr=subprocess.STDOUT)
         try:
-            for name in names:
-                wait_serving(self.addr(name), timeout_s, self.procs[name])
+            for name in names:  # ready, not only alive: decode's readiness follows prefill's
+                wait_serving(self.addr(name), timeout_s, self.procs[name], service=SERVICE_NAMES[name])
         except BaseException:
             self.stop()
             raise

@@ -47,9 +47,11 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                       kv_source: KVSourceChoice = KVSourceChoice.AUTO) -> AsyncIterator[RequestOutput]:
+                       kv_source: KVSourceChoice = KVSourceChoice.AUTO,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last one carries the finish reason. Closing the
-        iterator (or cancelling the task reading it) aborts the request and frees its pages."""
+        iterator (or cancelling the task reading it) aborts the request and frees its pages.
+        ``deadline`` (``time.monotonic()`` seconds): the caller's, which bounds the KV pull."""
         req = self.core.add_request(request_id or uuid.uuid4().hex, prompt, params, kv_source)
         admitted, outputs = asyncio.Event(), asyncio.Queue()
         self._admitted[req.request_id], self._outputs[req.request_id] = admitted, outputs
@@ -57,7 +59,7 @@ class AsyncEngine:
         try:
             self._work.set()
             await admitted.wait()
-            first = self.core.start(req, await self.sources.fill(req, self.run))
+            first = self.core.start(req, await self.sources.fill(req, self.run, deadline))
             yield first
             if first.finished:
                 return

@@ -46,8 +46,9 @@ class EngineCore:
             raise InvalidRequest(f"request_id {request_id!r} is already running")
         k = 0 if mode is SpeculativeMode.NONE else params.num_speculative_tokens or self.spec_cfg.num_tokens
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        first_k = min(k, self.spec_cfg.first_k) if self.spec_cfg.adaptive else k
         req = Request(request_id, next(self._seq_ids), list(prompt), params, stops, mode, k_max=k,
-                      kv_source=KVSourceChoice(kv_source), k=k)
+                      kv_source=KVSourceChoice(kv_source), k=first_k)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
@@ -68,7 +69,11 @@ class EngineCore:
         for req, (tokens, proposed) in zip(batch.decode, results):
             if proposed and not req.finished:
                 spec.record(req, proposed, len(tokens) - 1, self.spec_cfg)
-        return self.scheduler.update(batch, [tokens for tokens, _ in results])
+        outputs = self.scheduler.update(batch, [tokens for tokens, _ in results])
+        if self.spec_cfg.auto_off:
+            for req in batch.decode:
+                spec.observe(req, self.spec_cfg)
+        return outputs
 
     def release(self, req: Request) -> None:
         """Forget ``req`` in the scheduler (its reservation goes back). Its pages are freed by

@@ -2,7 +2,10 @@
 
     LocalPrefill   the prompt's forward pass in this process, into the request's pages
     RemotePrefill  the gRPC pull from prefill_svc: header (spec + fingerprint checked), KV chunks
-                   (sizes, place and CRC-32 checked, every page exactly once), then the first token
+                   (sizes, place, CRC-32 and finite numbers checked, every page exactly once), then
+                   the first token (in the vocabulary), all within the caller's deadline capped at
+                   a transfer timeout; anything wrong is DATA_LOSS for that request alone, before
+                   its pages are used or a token reaches the client
 
 Both fill the pages the scheduler reserved and return the first generated token (sampled with
 step index 0, so the tokens are the same either way); the engine does not know which one ran.
@@ -40,8 +43,9 @@ Run = Callable[..., Awaitable[Any]]
 class KVSource(Protocol):
     name: str  # "local" | "remote": on the trace
 
-    async def fill(self, req: Request, run: Run) -> int:
-        """Put ``req.prompt``'s KV into sequence ``req.seq``'s pages; return the first token."""
+    async def fill(self, req: Request, run: Run, deadline: float | None = None) -> int:
+        """Put ``req.prompt``'s KV into sequence ``req.seq``'s pages; return the first token.
+        ``deadline``: the caller's, in ``time.monotonic()`` seconds (None: none)."""
         ...
 
 
@@ -55,33 +59,57 @@ class LocalPrefill:
         req.cached_tokens = self.runner.reuse_prefix(req.seq, req.prompt)
         return sample(self.runner.prefill(req.seq, req.prompt), req.params, 0)
 
-    async def fill(self, req: Request, run: Run) -> int:
+    async def fill(self, req: Request, run: Run, deadline: float | None = None) -> int:
         with tracer.start_as_current_span("prefill.local") as span:
             span.set_attribute("gen_ai.usage.input_tokens", len(req.prompt))
             return await run(self._prefill, req)
 
 
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+
+
 class RemotePrefill:
+    """The pull from prefill_svc. Every pull has a deadline: the caller's, capped at
+    ``transfer_timeout_s`` (a stalled prefill ends the request DEADLINE_EXCEEDED, its pages freed).
+    ``healthy`` is set by a health watch (decode_svc's ``PrefillWatch``); while False, AUTO requests
+    prefill locally."""
     name = "remote"
 
-    def __init__(self, runner: ModelRunner, stub, channel: grpc.aio.Channel | None = None):
+    def __init__(self, runner: ModelRunner, stub, channel: grpc.aio.Channel | None = None,
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S):
         self.runner, self.stub, self.channel = runner, stub, channel
+        self.transfer_timeout_s = transfer_timeout_s
         self.inflight = 0
+        self.healthy = True
 
     def reachable(self) -> bool:
+        if not self.healthy:
+            return False
         if self.channel is None:
             return True
         state = self.channel.get_state(try_to_connect=True)
         return state not in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
-    async def fill(self, req: Request, run: Run) -> int:
+    def timeout_s(self, deadline: float | None) -> float:
+        """Seconds this pull may take: the caller's remaining time, at most the transfer timeout."""
+        if deadline is None:
+            return self.transfer_timeout_s
+        return max(0.0, min(self.transfer_timeout_s, deadline - time.monotonic()))
+
+    async def fill(self, req: Request, run: Run, deadline: float | None = None) -> int:
         self.inflight += 1
+        timeout = self.timeout_s(deadline)
         try:
-            return await self._pull(req, run)
+            return await self._pull(req, run, timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            raise errors.DeadlineExceeded(f"the KV transfer from the prefill service did not finish within "
+                                          f"{timeout:.1f} s") from e
         finally:
             self.inflight -= 1
 
-    async def _pull(self, req: Request, run: Run) -> int:
+    async def _pull(self, req: Request, run: Run, timeout: float) -> int:
         from protos import convert as conv  # the wire edge; the in-process LLM never imports it
         from protos.kvwire.v1 import kvwire_pb2 as pb
 
@@ -93,7 +121,7 @@ class RemotePrefill:
         call = self.stub.Prefill(pb.PrefillRequest(
             request_id=req.request_id, token_ids=req.prompt, sampling=conv.sampling_to_pb(req.params),
             expected_spec=conv.spec_to_pb(spec), expected_fingerprint=conv.fingerprint_to_pb(runtime.fingerprint),
-            cached_pages=cached_pages, cached_prefix_hash=name))
+            cached_pages=cached_pages, cached_prefix_hash=name), timeout=timeout)
         started = time.perf_counter()
         with tracer.start_as_current_span("kv_transfer") as span:
             tracker, pages, first = None, [], None
@@ -124,6 +152,9 @@ class RemotePrefill:
             if missing:
                 raise errors.DataLoss(f"the prefill stream is missing {len(missing)} (layer, page) KV pages, "
                                       f"first {missing[0]}")
+            vocab = runtime.model_config.vocab_size
+            if not 0 <= first < vocab:  # checked before anything reaches the client or a decode step
+                raise errors.DataLoss(f"prefill sent first token {first}, outside the vocabulary [0, {vocab})")
             await run(self.runner.remember_prefix, req.seq, req.prompt)
             sent_pages = len(pages) - cached_pages
             bf16_bytes = sent_pages * spec.num_layers * 2 * spec.values_per_page * 2
@@ -182,12 +213,12 @@ class KVSources:
             return self.local
         return self.remote
 
-    async def fill(self, req: Request, run: Run) -> int:
+    async def fill(self, req: Request, run: Run, deadline: float | None = None) -> int:
         """Fill ``req``'s KV from the source the policy picks; an AUTO request falls back to local
         prefill when the remote one is unavailable (its partial pages are freed first)."""
         source = self.choose(req)
         try:
-            first = await source.fill(req, run)
+            first = await source.fill(req, run, deadline)
         except Exception as e:
             if source is self.local or req.kv_source is not KVSourceChoice.AUTO or not _unavailable(e):
                 raise

@@ -46,12 +46,13 @@ def _now(coro):
 
 
 class LLM:
-    def __init__(self, model: str | Path, *, weights: QuantMode | str = QuantMode.NONE,
+    def __init__(self, model: str | Path, *, weights: QuantMode | str = QuantMode.INT8,
                  kv_dtype: KVDtype | str = KVDtype.FP8_E4M3, block_size: int = 16, num_pages: int = 512,
                  device: str = "cpu", draft_model: str | Path | None = None,
                  draft_kv_dtype: KVDtype | str = KVDtype.BF16,
                  speculative: SpeculativeMode | str = SpeculativeMode.NONE, num_speculative_tokens: int = 4,
-                 speculative_adaptive: bool = True, prefix_caching: bool = False, max_running: int = 16,
+                 speculative_adaptive: bool = True, speculative_auto_off: bool = True,
+                 prefix_caching: bool = False, max_running: int = 16,
                  max_waiting: int = 1024):
         cfg = EngineConfig(model_dir=Path(model), weights=QuantMode(weights), kv_dtype=KVDtype(kv_dtype),
                            block_size=block_size, num_pages=num_pages, device=device)
@@ -65,7 +66,7 @@ class LLM:
         runner = ModelRunner(self.runtime, num_pages, draft, prefix_caching=prefix_caching)
         self.core = EngineCore(runner, SchedulerConfig(num_pages, max_running, max_waiting),
                                SpecConfig(mode=SpeculativeMode(speculative), num_tokens=num_speculative_tokens,
-                                          adaptive=speculative_adaptive), eos)
+                                          adaptive=speculative_adaptive, auto_off=speculative_auto_off), eos)
         self.kv_source = LocalPrefill(runner)
 
     @staticmethod

@@ -38,6 +38,11 @@ class Request:
     spec_steps: int = 0  # steps that verified at least one proposal
     drafted: int = 0
     accepted: int = 0
+    probe: tuple[int, int, int] = (0, 0, 0)  # (verification steps, drafted, accepted) since the last check
+    off_until: int = 0  # no proposals while steps < off_until (speculation turned off: low acceptance)
+    turned_off: int = 0  # times speculation was turned off for low acceptance
+    turned_on: int = 0  # times it was turned back on (n-gram: shadow acceptance reached break-even)
+    shadow: tuple[list[int], int] | None = None  # while off (n-gram): (lookup's proposal, its context index)
     finish_reason: FinishReason | None = None
     kv_source_used: str = ""  # "local" | "remote", once filled (for traces and tests)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed, not sent)

@@ -17,7 +17,6 @@ import torch
 from kvwire.engine.chunked import PrefixPrefill
 from kvwire.engine.prefix_cache import PrefixCache, cache_salt
 from kvwire.engine.speculative import draft_sample
-from kvwire.engine.verify import ExactMultiTokenStep
 from kvwire.kv.wire import DecodedChunk
 from kvwire.runtime import Runtime
 from kvwire.sampling_params import SamplingParams
@@ -35,7 +34,8 @@ class ModelRunner:
         # The draft holds at most as many tokens per sequence as the target, so a pool as large as
         # the target's never runs out under the scheduler's reservations.
         self.draft_cache = draft.new_cache(draft_pages or num_pages) if draft is not None else None
-        self._verify: ExactMultiTokenStep | None = None
+        # seq -> (its length before, tokens fed) in the last multi-token step: what ``keep`` rolls back
+        self._starts: dict[int, tuple[int, int]] = {}
 
     def reuse_prefix(self, seq: int, prompt: list[int]) -> int:
         """Attach the longest cached prefix of ``prompt`` to the new sequence ``seq``; returns the
@@ -82,27 +82,29 @@ class ModelRunner:
     def step(self, seqs: list[int], tokens: list[list[int]]) -> list[torch.Tensor]:
         """Feed ``tokens[i]`` to ``seqs[i]``; returns each one's logits [n_i, vocab].
 
-        One token each is a plain decode step. With more (speculative verification), every token
-        sees exactly the KV state a one-token-at-a-time decode would have given it, so its logits
-        equal plain decoding's bit for bit; call ``keep`` afterwards to drop rejected tokens."""
+        One token each is a plain decode step. With more (speculative verification) it is still
+        one ``prepare`` and one forward: the paged cache (append-only pages) writes every new
+        token, then attends each over the pages up to its own position in the same kernel call
+        plain decoding makes, so its logits equal one-token-at-a-time decoding's. Call ``keep``
+        afterwards to drop rejected tokens."""
         counts = [len(ts) for ts in tokens]
-        flat = torch.tensor([t for ts in tokens for t in ts])
-        self._verify = None
-        if all(n == 1 for n in counts):
-            positions = self.cache.prepare(seqs, counts)
-            logits = self.runtime.model(flat, positions, self.cache)  # [num_tokens, vocab]
-        else:
-            starts = [self.cache.length(s) if s in self.cache.tables else 0 for s in seqs]
-            positions = self.cache.prepare(seqs, counts)
-            self._verify = ExactMultiTokenStep(self.cache, seqs, starts, counts)
-            logits = self.runtime.model(flat, positions, self._verify)
+        starts = [self.cache.length(s) if s in self.cache.tables else 0 for s in seqs]
+        positions = self.cache.prepare(seqs, counts)
+        logits = self.runtime.model(torch.tensor([t for ts in tokens for t in ts]), positions,
+                                    self.cache)  # [num_tokens, vocab]
+        self._starts = {s: (start, n) for s, start, n in zip(seqs, starts, counts) if n > 1}
         return list(logits.split(counts))
 
     def keep(self, seq: int, num_kept: int) -> None:
         """After a multi-token ``step``: keep the first ``num_kept`` of ``seq``'s tokens, roll the
-        rest back (pages left empty return to the pool)."""
-        if self._verify is not None:
-            self._verify.keep(seq, num_kept)
+        rest back: a truncate, exact with append-only pages (emptied pages return to the pool)."""
+        if seq not in self._starts:
+            return  # one token fed, or already freed: nothing to roll back
+        start, n = self._starts.pop(seq)
+        if not 1 <= num_kept <= n:
+            raise ValueError(f"sequence {seq}: cannot keep {num_kept} of {n} tokens")
+        if num_kept < n and seq in self.cache.tables:
+            self.cache.truncate(seq, start + num_kept)
 
     # ---- draft model --------------------------------------------------------------------------
 
@@ -155,6 +157,7 @@ class ModelRunner:
         self.free(seq)
 
     def free(self, seq: int) -> None:
+        self._starts.pop(seq, None)
         self.cache.reset(seq)  # unknown ids are fine: a request may end before its pages existed
         if self.draft_cache is not None:
             self.draft_cache.reset(seq)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvwire.engine.request import Request, RequestOutput, RequestStatus
-from kvwire.errors import ResourceExhausted
+from kvwire.errors import ResourceExhausted, never_fits
 
 # (prompt_len, total_len, lookahead) -> pages: BlockTables.max_pages of the engine's cache.
 MaxPages = Callable[[int, int, int], int]
@@ -54,9 +54,8 @@ class Scheduler:
         """Queue a request, or raise ResourceExhausted saying why it cannot be queued."""
         need = self.reservation(len(req.prompt), req.params.max_tokens, req.k_max)
         if need > self.cfg.total_pages:
-            raise ResourceExhausted(
-                f"request needs {need} KV pages ({len(req.prompt)} prompt + {req.params.max_tokens} max "
-                f"tokens) but the pool has {self.cfg.total_pages}; lower max_tokens or shorten the prompt")
+            raise never_fits(f"request needs {need} KV pages ({len(req.prompt)} prompt + {req.params.max_tokens} "
+                             f"max tokens) but the decode pool has {self.cfg.total_pages}")
         if len(self.waiting) >= self.cfg.max_waiting:
             raise ResourceExhausted(f"the queue is full ({self.cfg.max_waiting} requests waiting); retry later")
         req.reserved_pages, req.status = need, RequestStatus.WAITING

@@ -135,13 +135,43 @@ def adapt_k(k: int, proposed: int, accepted: int, k_max: int) -> int:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """The engine's speculative decoding defaults (built once, e.g. in decode_svc's ``__main__``)."""
+    """The engine's speculative decoding defaults (built once, e.g. in decode_svc's ``__main__``).
+
+    Turning off (``auto_off``): a verification step costs more than a plain decode step, by about
+    ``*_cost`` plain steps per proposed token (n-gram: the extra rows of the target forward; draft:
+    those plus one draft step each). It pays while accepted tokens exceed that cost, i.e. while
+    the acceptance rate (accepted / proposed) exceeds ``*_cost``. Every ``probe_steps`` verification
+    steps a request compares its acceptance over them with that break-even; below it, it decodes
+    plainly (k = 0). A draft request probes again after ``off_steps`` plain steps (0: never). An
+    n-gram request needs no probe: while off, each step it looks up the proposal it would have made
+    (no model involved) and scores it against the tokens then generated; when that shadow
+    acceptance reaches break-even over ``probe_steps`` proposals, speculation is back on. Per
+    request, from its own tokens only, so a seeded request's output never depends on its batch.
+
+    Batch (``greedy_max_batch``): in a step of b requests every verification row costs about what
+    a whole request's row does, so the break-even rises with b; greedy requests do not speculate
+    in steps of more than ``greedy_max_batch`` requests (0: no limit). Only greedy ones, whose
+    output is the plain output either way; a sampled request keeps its own policy.
+    """
 
     mode: SpeculativeMode = SpeculativeMode.NONE  # what a request's speculative=None means
     num_tokens: int = 4  # k when a request does not set num_speculative_tokens
     adaptive: bool = True  # adapt k per request to its acceptance (adapt_k), at most the requested k
+    first_k: int = 2  # adaptive: k of a request's first verification (cheap to probe; adapt_k grows it)
     ngram_max: int = 3  # n-gram lookup tries suffixes of ngram_max .. ngram_min tokens
     ngram_min: int = 1
+    auto_off: bool = True  # stop speculating where acceptance is below break-even (see above)
+    probe_steps: int = 4  # verification steps per acceptance measurement
+    off_steps: int = 32  # plain steps before probing again (0: never again for this request)
+    # Break-even acceptance rates: a verification step of k + 1 tokens cost about 1 + 0.3 k plain steps
+    # (SmolLM2-135M, int8, FP8 KV, 2-core AVX-512 CPU, fused decode kernels); a draft step adds its own.
+    ngram_cost: float = 0.3  # n-gram proposals (one-call verification only)
+    draft_cost: float = 0.6  # draft proposals (verification + drafting)
+    # Measured (bench speculative, n-gram, batch 8 of grounded prompts): 0.61x plain without this limit.
+    greedy_max_batch: int = 4  # greedy requests speculate in steps of at most this many requests (0: any)
+
+    def break_even(self, mode: SpeculativeMode) -> float:
+        return self.draft_cost if mode is SpeculativeMode.DRAFT else self.ngram_cost
 
 
 # ---- the engine's decode step ---------------------------------------------------------------------
@@ -149,6 +179,8 @@ class SpecConfig:
 def num_proposals(req, draft_max_positions: int | None) -> int:
     """Proposals for ``req`` this step. Never past max_tokens: the step's last token (correction or
     bonus) is the last one allowed, so the sequence never outgrows its page reservation."""
+    if req.steps < req.off_until:
+        return 0  # turned off for now (low acceptance)
     k = min(req.k, req.params.max_tokens - req.generated - 1)
     if req.mode is SpeculativeMode.DRAFT and len(req.context) + k > (draft_max_positions or 0):
         return 0
@@ -160,7 +192,8 @@ def decode_step(runner, batch, cfg: SpecConfig) -> list[tuple[list[int], int]]:
     batched target forward that verifies them, acceptance, rollback. Runs where the runner lives
     (one thread). Returns (tokens to emit, number proposed) per request."""
     draft_positions = runner.draft.model_config.max_position_embeddings if runner.draft is not None else None
-    ks = [num_proposals(r, draft_positions) for r in batch]
+    crowded = 0 < cfg.greedy_max_batch < len(batch)
+    ks = [0 if crowded and r.params.greedy else num_proposals(r, draft_positions) for r in batch]
     props: list[list[int]] = [[] for _ in batch]
     qs: list = [None] * len(batch)
     for i, r in enumerate(batch):
@@ -190,18 +223,58 @@ def decode_step(runner, batch, cfg: SpecConfig) -> list[tuple[list[int], int]]:
     return results
 
 
+def _measured(req, proposed: int, accepted: int, cfg: SpecConfig) -> bool | None:
+    """Add one (real or shadow) verification to ``req``'s probe window; at the window's end,
+    whether its acceptance reached break-even (None before the end)."""
+    steps, drafted, acc = req.probe[0] + 1, req.probe[1] + proposed, req.probe[2] + accepted
+    req.probe = (steps, drafted, acc)
+    if steps < cfg.probe_steps:
+        return None
+    req.probe = (0, 0, 0)
+    return acc >= cfg.break_even(req.mode) * drafted
+
+
 def record(req, proposed: int, accepted: int, cfg: SpecConfig) -> None:
-    """Count one verification step of ``req`` (and adapt its k)."""
+    """Count one verification step of ``req`` (adapt its k; turn speculation off when it does
+    not pay, see SpecConfig)."""
     req.spec_steps += 1
     req.drafted += proposed
     req.accepted += accepted
     if cfg.adaptive:
         req.k = adapt_k(req.k, proposed, accepted, req.k_max)
+    if cfg.auto_off and _measured(req, proposed, accepted, cfg) is False:
+        req.turned_off += 1
+        # req.steps counts this step once the scheduler applies it: plain from the next one on
+        probe_again = req.mode is SpeculativeMode.DRAFT and cfg.off_steps
+        req.off_until = req.steps + 1 + cfg.off_steps if probe_again else 1 << 62
     mode = req.mode.value
     metrics.SPEC_DRAFTS.labels(mode).inc()
     metrics.SPEC_DRAFT_TOKENS.labels(mode).inc(proposed)
     metrics.SPEC_ACCEPTED_TOKENS.labels(mode).inc(accepted)
     metrics.SPEC_EMITTED_TOKENS.labels(mode).inc(accepted + 1)
+
+
+def observe(req, cfg: SpecConfig) -> None:
+    """After a step (its tokens appended to ``req.context``): an n-gram request whose speculation
+    is off scores the proposal lookup would have made against the tokens generated since (no
+    model involved), and turns speculation back on when that reaches break-even (see SpecConfig)."""
+    if req.mode is not SpeculativeMode.NGRAM or req.steps >= req.off_until or req.finished:
+        req.shadow = None
+        return
+    if req.shadow is not None:
+        props, at = req.shadow
+        seen = req.context[at:at + len(props)]
+        hit = next((i for i, (a, b) in enumerate(zip(props, seen)) if a != b), len(seen))
+        if hit == len(seen) < len(props):
+            return  # every token so far matches: wait for the rest
+        req.shadow = None
+        if _measured(req, len(props), hit, cfg):
+            req.off_until, req.k = 0, req.k_max
+            req.turned_on += 1
+            return
+    props = ngram_propose(req.context, req.k_max, cfg.ngram_max, cfg.ngram_min)
+    if props:
+        req.shadow = (props, len(req.context))  # proposals for context[at:], after the pending token
 
 
 def report(req) -> dict:
@@ -218,4 +291,5 @@ def report(req) -> dict:
             "kvwire.spec.num_draft_tokens": req.drafted, "kvwire.spec.num_accepted_tokens": req.accepted,
             "kvwire.spec.acceptance_rate": round(rate, 4),
             "kvwire.spec.mean_accepted_tokens_per_step": round(per_step, 4),
+            "kvwire.spec.turned_off": req.turned_off, "kvwire.spec.turned_on": req.turned_on,
             "kvwire.spec.mean_tokens_per_step": round((req.generated - 1) / req.steps, 4) if req.steps else 0.0}

@@ -184,6 +184,15 @@ class PagedKVCache:
             self._ctx = torch.tensor(ctx, dtype=torch.int32, device=self.device)  # [R]
         return torch.tensor(positions, dtype=torch.int64, device=self.device)
 
+    def paged_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a fused decode step (``kvwire.model.fast_decode``): when every token of the prepared
+        step comes after context already in the pages (decode, verification), its slots [num_tokens]
+        int64, block tables [num_tokens, max_blocks] int32 and context lengths [num_tokens] int32 (row
+        i's query sits at ctx[i] - 1); else None."""
+        if not self._all_paged or self.device.type != "cpu":
+            return None
+        return self._slots, self._block_tables, self._ctx
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None) -> torch.Tensor:
         k_pages, v_pages, k_scale, v_scale = self.layer_tensors(layer)

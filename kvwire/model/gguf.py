@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,22 @@ def weights_sha256(reader) -> str:
     for t in sorted(reader.tensors, key=lambda t: t.name):
         sha.update(f"{t.name}:{t.tensor_type.name}:{tuple(int(n) for n in t.shape)}".encode())
         sha.update(memoryview(np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)))
+        release_pages(reader)
     return sha.hexdigest()
+
+
+def release_pages(reader) -> None:
+    """Unmap the pages of the file read so far through ``reader``'s memory map (they stay in the
+    page cache; a later read maps them again). A kept reader (``open_gguf``) would otherwise hold
+    every page the loader touched, the whole file, in the process's resident set for good."""
+    base = getattr(reader, "data", None)
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
+    if base is not None and hasattr(base, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            base.madvise(mmap.MADV_DONTNEED)  # read-only private map: nothing to lose
+        except (OSError, ValueError):
+            pass  # an advisory call; without it only RSS accounting differs
 
 
 def tensor_plan(cfg) -> dict[str, list[str]]:

@@ -6,18 +6,24 @@ model directory: a name in an index file cannot escape through ``..`` or a symli
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import hashlib
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from kvwire.config import DType, ModelConfig
 from kvwire.files import LoadError, read_json, resolve_inside
 from kvwire.model import gguf
+from kvwire.model.linear import Linear
 from kvwire.model.model import Transformer, rope_inv_freq
 from kvwire.model.source import load_config, model_source
 
@@ -87,12 +93,24 @@ class LoadedModel:
     weights_sha256: str  # over tensor names, dtypes, shapes and bytes, in name order
 
 
+# quantize(module path, pieces) -> the layer to install there, or None to load a plain Linear.
+# pieces: the checkpoint tensors ([rows_i, in], their stored float dtype, on the target device)
+# whose concatenation along dim 0 is the fused weight; the layer is built without bias (the loader
+# sets ``layer.bias``, fp32, when the checkpoint has one). See kvwire.model.quant.load_quantizer.
+Quantize = Callable[[str, Sequence[torch.Tensor]], "nn.Module | None"]
+
+
 def load_model(model_dir: str | Path, dtype: DType = DType.FP32, device: str = "cpu",
-               progress: bool | None = None) -> LoadedModel:
-    """``model_dir``: an HF directory, a .gguf file, a directory holding one, or a registered name."""
+               progress: bool | None = None, quantize: Quantize | None = None) -> LoadedModel:
+    """``model_dir``: an HF directory, a .gguf file, a directory holding one, or a registered name.
+
+    Tensors are read one at a time and each fused parameter is built as soon as its pieces are in,
+    so the checkpoint is never held whole beside the model. With ``quantize``, every Linear it
+    claims is built from the pieces directly: no float copy of that matrix is ever made.
+    """
     src = model_source(model_dir)
     if src.gguf is not None:
-        return _load_gguf(src.gguf, DType(dtype), device, progress)
+        return _load_gguf(src.gguf, DType(dtype), device, progress, quantize)
     model_dir = src.path
     cfg = load_config(model_dir)
     files = weight_files(model_dir)
@@ -104,46 +122,120 @@ def load_model(model_dir: str | Path, dtype: DType = DType.FP32, device: str = "
                             f"({', '.join(sorted({f.name for f in files.values()}))})")
     total = sum(os.path.getsize(f) for f in set(files.values()))
     show = total >= PROGRESS_MIN_BYTES if progress is None else progress
-    tdtype = TORCH_DTYPES[DType(dtype)]
+    builder = _Builder(cfg, TORCH_DTYPES[DType(dtype)], device, quantize)
+    # Checkpoint tensor -> our parameters that take it, and what each parameter still waits for.
+    users: dict[str, list[str]] = {}
+    for ours, parts in plan.items():
+        for name, _ in parts:
+            users.setdefault(name, []).append(ours)
+    waiting = {ours: {name for name, _ in parts} for ours, parts in plan.items()}
+    expected = {name: shape for parts in plan.values() for name, shape in parts}
 
     sha = hashlib.sha256()
-    tensors: dict[str, torch.Tensor] = {}
-    handles = {f: _open_safetensors(f) for f in set(files.values())}
+    pending: dict[str, torch.Tensor] = {}  # read, not yet used by every parameter that needs it
+    # Name order, as the hash wants; a parameter is built once its last piece is read. Each tensor
+    # comes from a fresh handle: a handle's memory map keeps every page read through it resident
+    # (counted in RSS) until it is closed, which for one handle would be the whole checkpoint.
+    for name in tqdm(needed, desc=f"loading {model_dir.name}", unit="tensor", disable=not show):
+        with _open_safetensors(files[name]) as handle:
+            t = handle.get_tensor(name)
+        sha.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            sha.update(t.contiguous().view(torch.uint8).numpy())  # no copy
+        if tuple(t.shape) != expected[name]:
+            raise LoadError(f"{files[name]}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                            f"{expected[name]} from config.json")
+        pending[name] = t
+        del t, handle
+        for ours in users[name]:
+            waiting[ours].discard(name)
+            if not waiting[ours]:
+                builder.add(ours, [pending[n] for n, _ in plan[ours]])
+        for n in [n for n in pending if all(not waiting[o] for o in users[n])]:
+            del pending[n]
+    return LoadedModel(model=builder.finish(), config=cfg, weights_sha256=sha.hexdigest())
+
+
+# glibc keeps freed blocks of up to 32 MB (the loader's temporaries) in its heap, where the layers
+# built between them can pin them: on the TinyLlama-1.1B shape (int8) that retained 0.1-0.6 GB, so
+# freed pages are handed back (malloc_trim) each time this many bytes of parameters have been built.
+# Trimming after every parameter measured about twice the load's CPU time (the next temporaries
+# fault in fresh pages); every 64 MB costs no measurable time.
+TRIM_EVERY_BYTES = 64 << 20
+
+
+@functools.cache
+def _malloc_trim():
     try:
-        for name in tqdm(needed, desc=f"loading {model_dir.name}", unit="tensor", disable=not show):
-            t = handles[files[name]].get_tensor(name)
-            sha.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            if t.numel():
-                sha.update(t.contiguous().view(torch.uint8).numpy())  # no copy
-            tensors[name] = t
-    finally:
-        handles.clear()
-
-    state = {}
-    for ours, parts in plan.items():
-        pieces = []
-        for name, shape in parts:
-            t = tensors[name]
-            if tuple(t.shape) != shape:
-                raise LoadError(f"{files[name]}: tensor {name!r} has shape {tuple(t.shape)}, expected "
-                                f"{shape} from config.json")
-            # Norm weights and biases are tiny and stay fp32; matrices take the requested dtype.
-            pieces.append(t.to(torch.float32 if t.dim() == 1 else tdtype))
-        state[ours] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-    return LoadedModel(model=_finish(cfg, state, device), config=cfg, weights_sha256=sha.hexdigest())
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
 
 
-def _finish(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # built on "meta" above; make it real
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.to(device).eval()
+def _return_freed_memory() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
-def _load_gguf(path: Path, dtype: DType, device: str, progress: bool | None) -> LoadedModel:
+class _Builder:
+    """Assembles a Transformer parameter by parameter: a meta-device model whose parameters are
+    assigned at the end, and layers ``quantize`` builds installed as they come."""
+
+    def __init__(self, cfg: ModelConfig, tdtype: torch.dtype, device: str, quantize: Quantize | None):
+        self.cfg, self.tdtype, self.device, self.quantize = cfg, tdtype, device, quantize
+        with torch.device("meta"):
+            self.model = Transformer(cfg)
+        self.state: dict[str, torch.Tensor] = {}
+        self.installed: dict[str, nn.Module] = {}
+        self.untrimmed = 0  # bytes of parameters built since freed memory was last handed back
+
+    def add(self, ours: str, pieces: list[torch.Tensor], tied: str | None = None) -> None:
+        """Build parameter ``ours`` from ``pieces`` (concatenated along dim 0); ``tied``: it is
+        the already built parameter of that name (one table, as a tied checkpoint means)."""
+        self._add(ours, pieces, tied)
+        self.untrimmed += sum(p.numel() * p.element_size() for p in pieces)
+        if self.untrimmed >= TRIM_EVERY_BYTES:
+            _return_freed_memory()
+            self.untrimmed = 0
+
+    def _add(self, ours: str, pieces: list[torch.Tensor], tied: str | None) -> None:
+        mod_name, _, kind = ours.rpartition(".")
+        if tied is not None:
+            pieces = [self.state[tied]]
+        if (self.quantize is not None and kind == "weight" and pieces[0].dim() == 2
+                and isinstance(self.model.get_submodule(mod_name), Linear)):
+            layer = self.quantize(mod_name, [p.to(self.device) for p in pieces])
+            if layer is not None:
+                parent, _, child = mod_name.rpartition(".")
+                setattr(self.model.get_submodule(parent) if parent else self.model, child, layer)
+                self.installed[mod_name] = layer
+                return
+        if tied is not None:
+            self.state[ours] = self.state[tied]
+            return
+        # Norm weights and biases are tiny and stay fp32; matrices take the requested dtype.
+        pieces = [p.to(torch.float32 if p.dim() == 1 else self.tdtype) for p in pieces]
+        self.state[ours] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+    def finish(self) -> Transformer:
+        model = self.model
+        for mod_name, layer in self.installed.items():
+            bias = self.state.pop(f"{mod_name}.bias", None)
+            if bias is not None:
+                layer.bias = bias.to(self.device)  # fp32, as Int8Linear / Fp8Linear keep it
+            self.state.update({f"{mod_name}.{k}": v for k, v in layer.state_dict().items()})
+        model.load_state_dict(self.state, strict=True, assign=True)
+        self.state.clear()
+        _return_freed_memory()
+        model.inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.head_dim)  # built on "meta"; make it real
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model.to(self.device).eval()
+
+
+def _load_gguf(path: Path, dtype: DType, device: str, progress: bool | None,
+               quantize: Quantize | None) -> LoadedModel:
     """Dequantize tensor by tensor (one float32 tensor alive at a time beside the model being built),
     undo llama.cpp's Q/K permutation, concatenate into our fused parameters in ``dtype``."""
     reader = gguf.open_gguf(path)
@@ -157,11 +249,10 @@ def _load_gguf(path: Path, dtype: DType, device: str, progress: bool | None) -> 
         if name not in tensors:
             raise LoadError(f"{path}: tensor {name!r} is missing")
     show = os.path.getsize(path) >= PROGRESS_MIN_BYTES if progress is None else progress
-    tdtype = TORCH_DTYPES[dtype]
-    state: dict[str, torch.Tensor] = {}
+    builder = _Builder(cfg, TORCH_DTYPES[dtype], device, quantize)
     for ours, parts in tqdm(plan.items(), desc=f"loading {path.name}", unit="tensor", disable=not show):
         if ours == "lm_head.weight" and cfg.tie_word_embeddings:
-            state[ours] = state["embed.weight"]  # one table, as a tied checkpoint means
+            builder.add(ours, [], tied="embed.weight")
             continue
         pieces = []
         for name in parts:
@@ -169,9 +260,9 @@ def _load_gguf(path: Path, dtype: DType, device: str, progress: bool | None) -> 
             if w.shape != expected[name]:
                 raise LoadError(f"{path}: tensor {name!r} has shape {w.shape}, expected {expected[name]} "
                                 "from the file's metadata")
-            # Norm weights and biases are tiny and stay fp32; matrices take the requested dtype.
-            pieces.append(torch.from_numpy(w).to(torch.float32 if w.ndim == 1 else tdtype))
+            pieces.append(torch.from_numpy(w))
             del w
-        state[ours] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        builder.add(ours, pieces)
         del pieces
-    return LoadedModel(model=_finish(cfg, state, device), config=cfg, weights_sha256=gguf.weights_sha256(reader))
+        gguf.release_pages(reader)  # the file's pages read so far leave the resident set
+    return LoadedModel(model=builder.finish(), config=cfg, weights_sha256=gguf.weights_sha256(reader))

@@ -134,6 +134,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        # A fused implementation of decode steps (kvwire.model.fast_decode), set after loading and
+        # quantization; it returns None for the steps it does not take, which then run below.
+        self.step_fn = None
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -143,6 +146,10 @@ class Transformer(nn.Module):
         Activations stay fp32 whatever the weights' dtype: this CPU has no bf16 arithmetic, and
         the residual stream keeps its precision.
         """
+        if self.step_fn is not None:
+            logits = self.step_fn(tokens, positions, cache, logits_rows)
+            if logits is not None:
+                return logits
         x = self.embed(tokens).float()  # [num_tokens, hidden]
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         for block in self.layers:

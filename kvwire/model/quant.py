@@ -30,15 +30,20 @@ costs more than the matmul. Every e4m3 value is exactly representable in bf16, s
 weight is stored once as that bf16 image (2 bytes/param, lossless; ``.to(float8_e4m3fn)`` gives
 the e4m3 bytes back) and runs at bf16 speed.
 
-lm_head is NOT quantized by default (``include_lm_head=False``): its output is the logits that
-sampling and speculative acceptance read directly, with no later layer to average the error away,
-and with tied embeddings a quantized head is a second copy next to the embedding table (which must
-stay intact for the lookup). Pass ``include_lm_head=True`` to trade that for decode bandwidth.
+``quantize_model`` leaves lm_head alone unless ``include_lm_head=True``: its output is the logits
+that sampling and speculative acceptance read directly, with no later layer to average the error
+away, and with tied embeddings a quantized head is a second copy next to the embedding table
+(which must stay intact for the lookup). The engine (``kvwire.runtime``) passes True for int8
+(``HEAD_QUANTIZED``): at batch 1 the head is a sixth of what a step reads in int8 (SmolLM2-135M:
+28 MB of 134; the fp32 tied table would be 113 MB, most of the step), and measured on
+SmolLM2-135M-Instruct (2,048 held-out tokens, FP8 KV) it costs +0.16% perplexity (16.381 -> 16.408;
+bf16 weights: 16.423).
 """
 from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -60,6 +65,8 @@ W8A8_MIN_ROWS = 8
 # calibrated on text, then per-token W8A8 everywhere, measured +0.7% (simulated): the way back to
 # fbgemm's speed within budget, not built yet.
 W8A8_LAYERS: tuple[str, ...] = ()
+# Weight modes whose engine also quantizes lm_head (see the module docstring).
+HEAD_QUANTIZED = frozenset({QuantMode.INT8})
 # fbgemm's reduce_range=True quantizes activations to 7 bits so that u8*s8 pair sums cannot
 # saturate int16 on CPUs without VNNI (AVX2's vpmaddubsw). With VNNI (vpdpbusd, 32-bit sums) the
 # full 8 bits are safe; the lost bit doubles the activation rounding error. Chosen from the CPU's
@@ -68,6 +75,9 @@ REDUCE_RANGE_WITHOUT_VNNI = True
 # The CPU int8pack_mm kernel reads out of bounds unless in_features % 16 == 0 (torch 2.13: NaNs,
 # or a segfault for 3+ rows, at in_features 8, 24, 40, 100, 2056); other shapes take the fallback.
 INT8PACK_K_MULTIPLE = 16
+# The loader quantizes a checkpoint's matrices this many values at a time (fp32 temporaries of a
+# few block sizes, not of the whole matrix; TinyLlama-1.1B's lm_head alone is 262 MB in fp32).
+QUANT_BLOCK_ELEMS = 1 << 20
 INT8_MAX, FP8_MAX = 127.0, float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 FP8 = torch.float8_e4m3fn
 
@@ -94,20 +104,23 @@ class Int8Linear(nn.Module):
     """Int8 weights with per-output-channel scales; see the module docstring for which op runs."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 act_quant: bool = False, reduce_range: bool | None = None):
+                 act_quant: bool = False, reduce_range: bool | None = None,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+        # quantized: (q, scale) as quantize_int8(weight) gives them, already computed (the loader
+        # quantizes a checkpoint's pieces as it reads them); weight is then ignored and may be None.
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        q, scale = quantize_int8(weight)
+        q, scale = quantize_int8(weight) if quantized is None else quantized
+        self.out_features, self.in_features = q.shape
         self.register_buffer("weight", q)  # [out, in] int8
         self.register_buffer("scale", scale)  # [out] fp32
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("unit_scale", torch.ones(self.out_features, dtype=torch.bfloat16,
-                                                      device=weight.device), persistent=False)
+                                                      device=q.device), persistent=False)
         self.reduce_range = default_reduce_range() if reduce_range is None else reduce_range
         # Wide inputs: per-token W8A8 through fbgemm when set (layers whose input comes straight out
         # of an RMSNorm, see W8A8_LAYERS), weight-only otherwise. Tests and hosts without a
         # quantized engine set use_w8a8 False to force the weight-only path.
-        self.use_w8a8 = act_quant and weight.device.type == "cpu"
+        self.use_w8a8 = act_quant and q.device.type == "cpu"
         self._packed = None  # fbgemm prepacked copy, built on the first wide call (see prepacked)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,12 +195,15 @@ def default_reduce_range() -> bool:
 class Fp8Linear(nn.Module):
     """E4M3 weights (per-output-channel scales), weight-only: activations are not quantized."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+        # quantized: (q, scale) as quantize_fp8(weight) gives them (scale [out, 1]), already
+        # computed; weight is then ignored and may be None. A bf16 q is taken as the e4m3 image.
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        q, scale = quantize_fp8(weight)
+        q, scale = quantize_fp8(weight) if quantized is None else quantized
+        self.out_features, self.in_features = q.shape
         # CPU keeps the exact bf16 image of the e4m3 weight (see module docstring); GPUs keep e4m3.
-        on_cpu = weight.device.type == "cpu"
+        on_cpu = q.device.type == "cpu"
         self.register_buffer("weight", q.to(torch.bfloat16) if on_cpu else q)  # [out, in]
         self.register_buffer("scale", scale[:, 0])  # [out] fp32
         self.register_buffer("bias", None if bias is None else bias.float())
@@ -230,6 +246,57 @@ def quantize_model(model: nn.Module, mode: QuantMode, include_lm_head: bool = Fa
             if isinstance(child, Linear) and (include_lm_head or full != "lm_head"):
                 setattr(module, child_name, _quantized(child, mode, full))
     return model
+
+
+def quantize_pieces(pieces: Sequence[torch.Tensor], mode: QuantMode, name: str = "") -> nn.Module:
+    """The ``mode`` layer of the matrix ``torch.cat(pieces).float()``, without building that matrix.
+
+    Bit-identical to ``Int8Linear(w)`` / ``Fp8Linear(w)`` on the concatenated fp32 matrix: scales
+    are per output row, so each piece is quantized on its own, a block of rows at a time
+    (``QUANT_BLOCK_ELEMS``), from its checkpoint dtype (bf16/fp16 -> fp32 is exact). The largest
+    float temporary is one block, not the matrix. ``name`` is the module's path (W8A8_LAYERS).
+    The layer has no bias; set ``layer.bias`` (fp32) afterwards if the checkpoint has one.
+    """
+    mode = QuantMode(mode)
+    if mode not in (QuantMode.INT8, QuantMode.FP8):
+        raise ValueError(f"quantize_pieces: mode {mode.value!r} is not int8 or fp8")
+    fn = quantize_int8 if mode is QuantMode.INT8 else quantize_fp8
+    device = pieces[0].device
+    # fp8 on CPU: the bf16 image is what Fp8Linear stores (see the module docstring).
+    qdtype = torch.int8 if mode is QuantMode.INT8 else torch.bfloat16 if device.type == "cpu" else FP8
+    rows, cols = sum(p.shape[0] for p in pieces), pieces[0].shape[1]
+    q = torch.empty(rows, cols, dtype=qdtype, device=device)  # [out, in], filled a block at a time
+    scale = torch.empty(rows, dtype=torch.float32, device=device)  # [out]
+    step, row = max(1, QUANT_BLOCK_ELEMS // max(1, cols)), 0
+    for piece in pieces:  # piece: [rows_i, in], any float dtype
+        for start in range(0, piece.shape[0], step):
+            qb, sb = fn(piece[start:start + step])
+            q[row:row + qb.shape[0]].copy_(qb)  # e4m3 -> bf16 is exact
+            scale[row:row + qb.shape[0]] = sb.reshape(-1)
+            row += qb.shape[0]
+            del qb, sb
+    if mode is QuantMode.FP8:
+        scale = scale[:, None]  # [out, 1], as quantize_fp8 gives it
+    if mode is QuantMode.INT8:
+        return Int8Linear(None, quantized=(q, scale), act_quant=name.endswith(W8A8_LAYERS))
+    return Fp8Linear(None, quantized=(q, scale))
+
+
+def load_quantizer(mode: QuantMode, include_lm_head: bool = False
+                   ) -> Callable[[str, Sequence[torch.Tensor]], nn.Module | None] | None:
+    """The loader's hook (``load_model(quantize=...)``) that builds each Linear as the ``mode``
+    layer straight from the checkpoint's pieces, so the model never exists in fp32; the same
+    layers ``quantize_model(model, mode, include_lm_head)`` gives after a fp32 load. None for
+    modes the loader's dtype already covers (none, bf16)."""
+    mode = QuantMode(mode)
+    if mode not in (QuantMode.INT8, QuantMode.FP8):
+        return None
+
+    def hook(name: str, pieces: Sequence[torch.Tensor]) -> nn.Module | None:
+        if name == "lm_head" and not include_lm_head:
+            return None
+        return quantize_pieces(pieces, mode, name)
+    return hook
 
 
 def weight_bytes(model: nn.Module) -> int:

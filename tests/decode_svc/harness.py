@@ -17,7 +17,8 @@ from kvwire.runtime import EngineConfig, load_engine
 from kvwire.serving import GrpcServer, build_channel
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.core import EngineCore
-from kvwire.engine.kv_source import KVSourcePolicy, KVSources, LocalPrefill, RemotePrefill
+from kvwire.engine.kv_source import (DEFAULT_TRANSFER_TIMEOUT_S, KVSourcePolicy, KVSources, LocalPrefill,
+                                     RemotePrefill)
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
 from kvwire.engine.speculative import SpecConfig
@@ -38,6 +39,19 @@ def tiny_model(path: Path, seed: int = 0, vocab_size: int = 300, hidden_size: in
     return path
 
 
+class _WrapperOver:
+    """A test's servicer wrapper, with the RPCs it does not define answered by the real servicer."""
+
+    def __init__(self, wrapper, inner):
+        self._wrapper, self._inner = wrapper, inner
+
+    def __getattr__(self, name: str):
+        try:
+            return getattr(self._wrapper, name)
+        except AttributeError:
+            return getattr(self._inner, name)
+
+
 class Harness:
     """``async with Harness(cfg) as h``: h.decode (stub), h.prefill_runner, h.engine (AsyncEngine).
 
@@ -46,18 +60,20 @@ class Harness:
     def __init__(self, cfg: EngineConfig, prefill_cfg: EngineConfig | None = None, decode_pages: int = 64,
                  prefill_wrapper=None, max_waiting: int = 8, prefill_addr: str | None = None,
                  draft_cfg: EngineConfig | None = None, spec_config: SpecConfig = SpecConfig(),
-                 policy: KVSourcePolicy = KVSourcePolicy(local_max_tokens=0), prefix_caching: bool = False):
+                 policy: KVSourcePolicy = KVSourcePolicy(local_max_tokens=0), prefix_caching: bool = False,
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, prefill_pages: int = 128):
         self.cfg, self.prefill_cfg = cfg, prefill_cfg or cfg
         self.draft_cfg, self.spec_config, self.policy = draft_cfg, spec_config, policy
         self.decode_pages, self.prefill_wrapper = decode_pages, prefill_wrapper
         self.max_waiting, self.prefill_addr, self.prefix_caching = max_waiting, prefill_addr, prefix_caching
+        self.transfer_timeout_s, self.prefill_pages = transfer_timeout_s, prefill_pages
 
     async def __aenter__(self) -> "Harness":
         self.prefill_engine = load_engine(self.prefill_cfg)
-        self.prefill_runner = PrefillRunner(self.prefill_engine, 128, prefix_caching=self.prefix_caching)
+        self.prefill_runner = PrefillRunner(self.prefill_engine, self.prefill_pages, prefix_caching=self.prefix_caching)
         servicer = PrefillServicer(self.prefill_runner)
         if self.prefill_wrapper is not None:
-            servicer = self.prefill_wrapper(servicer)
+            servicer = _WrapperOver(self.prefill_wrapper(servicer), servicer)
         self.prefill_server = GrpcServer(tracing=False)
         self.prefill_server.add_service(pbg.add_PrefillServiceServicer_to_server, servicer, "kvwire.v1.PrefillService")
         port = await self.prefill_server.start("127.0.0.1:0")
@@ -67,10 +83,11 @@ class Harness:
         runner.warm_up()
         addr = f"127.0.0.1:{port}" if self.prefill_addr is None else self.prefill_addr
         self.channel = build_channel(addr, tracing=False) if addr else None
-        remote = RemotePrefill(runner, pbg.PrefillServiceStub(self.channel), self.channel) if addr else None
+        self.remote = RemotePrefill(runner, pbg.PrefillServiceStub(self.channel), self.channel,
+                                    transfer_timeout_s=self.transfer_timeout_s) if addr else None
         core = EngineCore(runner, SchedulerConfig(self.decode_pages, max_waiting=self.max_waiting),
                           self.spec_config)
-        self.engine = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, self.policy))
+        self.engine = AsyncEngine(core, KVSources(LocalPrefill(runner), self.remote, self.policy))
         self.engine.start()
         lazy = Lazy(DecodeServicer, "decode_svc")
         lazy.set(DecodeServicer(self.engine))
@@ -79,6 +96,7 @@ class Harness:
         dport = await self.decode_server.start("127.0.0.1:0")
         self.decode_channel = build_channel(f"127.0.0.1:{dport}", tracing=False)
         self.decode = pbg.DecodeServiceStub(self.decode_channel)
+        self.prefill = pbg.PrefillServiceStub(self.channel) if self.channel is not None else None
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -154,8 +154,8 @@ async def test_policy_sends_short_prompts_local_and_long_ones_remote(cfg):
         used = []
         original = h.engine.sources.fill
 
-        async def spy(req, run):
-            first = await original(req, run)
+        async def spy(req, run, deadline=None):
+            first = await original(req, run, deadline)
             used.append((len(req.prompt), req.kv_source_used))
             return first
         h.engine.sources.fill = spy
@@ -188,7 +188,7 @@ async def test_decode_without_any_prefill_replica(cfg):
 @pytest.mark.parametrize("prompt, sampling, match", [
     ([], dict(max_tokens=5), "prompt_token_ids is empty"),
     ([5, 300], dict(max_tokens=5), "outside the vocabulary [0, 300)"),
-    ([5] * 500, dict(max_tokens=20), "exceeds the model's context of 512"),
+    ([5] * 500, dict(max_tokens=20), "exceeds the model's context of 512 tokens: it can never fit"),
     ([5], dict(max_tokens=0), "max_tokens must be positive"),
     ([5], dict(max_tokens=5, temperature=-1), "temperature must be >= 0"),
     ([5], dict(max_tokens=5, top_p=1.5), "top_p must be in (0, 1]"),
@@ -198,7 +198,7 @@ async def test_invalid_arguments(cfg, prompt, sampling, match):
         await expect_status(h.generate(prompt, **sampling), grpc.StatusCode.INVALID_ARGUMENT, match)
 
 
-async def test_resource_exhausted_when_never_fits_or_queue_full(cfg):
+async def test_never_fits_is_invalid_argument_and_a_full_queue_resource_exhausted(cfg):
     holder = {}
 
     def wrap(inner):
@@ -206,13 +206,16 @@ async def test_resource_exhausted_when_never_fits_or_queue_full(cfg):
         return holder["w"]
 
     async with Harness(cfg, decode_pages=8, max_waiting=1, prefill_wrapper=wrap) as h:
-        await expect_status(h.generate([5] * 100, max_tokens=100), grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            "needs 13 KV pages")
+        never = await expect_status(h.generate([5] * 100, max_tokens=100), grpc.StatusCode.INVALID_ARGUMENT,
+                                    "needs 13 KV pages")
+        assert "can never fit" in never and "retry" not in never
         first = asyncio.ensure_future(h.generate([5] * 60, max_tokens=40))  # 7 pages: admitted, paused
         await asyncio.wait_for(holder["w"].chunk_sent.wait(), 10)
         second = asyncio.ensure_future(h.generate([5] * 60, max_tokens=40))  # waits in the queue
         await asyncio.sleep(0.2)
-        await expect_status(h.generate([5] * 10, max_tokens=5), grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full")
+        full = await expect_status(h.generate([5] * 10, max_tokens=5), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   "queue is full")
+        assert "retry later" in full and "never" not in full
         holder["w"].resume.set()
         a, b = await asyncio.gather(first, second)
         assert len(a) == 40 and len(b) == 40

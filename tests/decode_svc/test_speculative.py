@@ -113,7 +113,8 @@ async def test_greedy_speculative_equals_plain_greedy_batched(models):
              dict(speculative=SM.SPECULATIVE_MODE_DRAFT, num_speculative_tokens=2), dict(speculative=SM.SPECULATIVE_MODE_NONE),
              dict(speculative=SM.SPECULATIVE_MODE_NGRAM, num_speculative_tokens=7), dict()]  # last: the service default
     async with Harness(cfg, draft_cfg=EngineConfig(model_dir=draft, kv_dtype=KVDtype.BF16),
-                       spec_config=spec.SpecConfig(mode=SpeculativeMode.DRAFT, num_tokens=3)) as h:
+                       spec_config=spec.SpecConfig(mode=SpeculativeMode.DRAFT, num_tokens=3,
+                                                   greedy_max_batch=0)) as h:
         for rnd in range(2):  # concurrently (one shared batch), then one at a time
             if rnd == 0:
                 outs = await asyncio.gather(*[h.generate(p, max_tokens=30, **m) for p, m in zip(PROMPTS, modes)])

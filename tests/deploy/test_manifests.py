@@ -65,8 +65,11 @@ def test_ports_probes_and_listen_flags_agree(overlay):
             assert c.port("http") == host_port(c.flag("--http-listen"))[1]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c.spec[probe]["grpc"]["port"] == listen, f"{name} {probe}"
-        for probe in ("startupProbe", "readinessProbe"):  # ready = this service SERVING
-            assert c.spec[probe]["grpc"]["service"] == proto_service
+        assert c.spec["readinessProbe"]["grpc"]["service"] == proto_service  # ready = this service SERVING
+        # Started = loaded: decode's own status follows prefill's reachability, which must not make
+        # Kubernetes restart a decode pod that started while prefill was down.
+        started = c.spec["startupProbe"]["grpc"].get("service")
+        assert started == (None if name == "decode" else proto_service), f"{name} startupProbe"
         assert c.env["OTEL_SERVICE_NAME"] == otel_name
         svc = one(objs, "Service", name)
         assert svc["spec"]["clusterIP"] == "None", f"Service {name} must be headless for round_robin"

@@ -1,6 +1,8 @@
 """The public in-process API: ``from kvwire import LLM, SamplingParams``, with no server."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvwire import LLM, SamplingParams
@@ -23,8 +25,8 @@ def llm(model_dir):
     return LLM(model_dir, num_pages=128)
 
 
-def reference(model_dir, prompt, params):
-    eng = load_engine(EngineConfig(model_dir=model_dir))
+def reference(model_dir, prompt, params, weights):
+    eng = load_engine(EngineConfig(model_dir=model_dir, weights=weights))  # the LLM's weights
     return generate(eng.model, prompt, params, cache=eng.new_cache(64))
 
 
@@ -33,7 +35,7 @@ def test_generate_batched_equals_one_sequence_reference(llm, model_dir):
     outs = llm.generate(PROMPTS, params[:len(PROMPTS)])
     assert [o.prompt_token_ids for o in outs] == PROMPTS
     for prompt, p, out in zip(PROMPTS, params, outs):
-        assert out.token_ids == reference(model_dir, prompt, p)
+        assert out.token_ids == reference(model_dir, prompt, p, llm.runtime.cfg.weights)
         assert out.finish_reason is FinishReason.LENGTH and out.text is None  # no tokenizer here
     assert llm.stats()["used"] == 0 and not llm.has_unfinished()
 
@@ -62,6 +64,7 @@ def test_add_request_and_step_then_abort_frees_pages(llm):
 
 def test_speculative_greedy_equals_plain(model_dir):
     spec = LLM(model_dir, num_pages=128, speculative="ngram", num_speculative_tokens=5)
+    spec.core.spec_cfg = dataclasses.replace(spec.core.spec_cfg, greedy_max_batch=0)  # speculate batched too
     plain = spec.generate(PROMPTS, SamplingParams(max_tokens=20, speculative="none"))
     ngram = spec.generate(PROMPTS, SamplingParams(max_tokens=20))
     assert [o.token_ids for o in ngram] == [o.token_ids for o in plain]

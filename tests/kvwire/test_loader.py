@@ -1,17 +1,28 @@
-"""The loader: sharded checkpoints, bf16, and errors that name the file, tensor and expectation."""
+"""The loader: sharded checkpoints, bf16, errors that name the file, tensor and expectation, and int8/fp8
+layers built as the checkpoint is read, bit-identical to quantizing a fp32 load."""
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 
-from kvwire.config import DType
+from kvwire.config import DType, QuantMode
+from kvwire.fingerprint import fingerprint
 from kvwire.kv.dense import DenseKVCache
+from kvwire.model import quant, registry
 from kvwire.model.loader import LoadError, load_model
+from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer, quantize_model
+from kvwire.runtime import EngineConfig, load_engine
+from tests.kvwire.gguf_files import tiny_bpe, write_from_hf
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+REAL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +126,80 @@ def test_symlink_cannot_escape_model_dir(checkpoint, tmp_path):
     os.symlink(outside, d / "model.safetensors")
     with pytest.raises(LoadError, match="outside the model directory"):
         load_model(d)
+
+
+# ---- int8/fp8 layers built as the loader reads (no fp32 model first) -------------------------------
+
+def assert_bit_identical(ref: torch.nn.Module, got: torch.nn.Module):
+    """Same module tree, same state names, and every tensor bit for bit (dtype, shape, bytes)."""
+    assert [(n, type(m)) for n, m in ref.named_modules()] == [(n, type(m)) for n, m in got.named_modules()]
+    a, b = ref.state_dict(), got.state_dict()
+    assert list(a) == list(b)
+    for name in a:
+        x, y = a[name], b[name]
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), name
+
+
+def load_then_quantize(path, mode: QuantMode):
+    loaded = load_model(path)
+    return quantize_model(loaded.model, mode, include_lm_head=mode in HEAD_QUANTIZED), loaded.weights_sha256
+
+
+@pytest.fixture(scope="module")
+def biased_bf16_sharded(tmp_path_factory):
+    """Qwen2 layout (q/k/v biases, tied embeddings), stored bf16 in shards."""
+    torch.manual_seed(1)
+    cfg = transformers.Qwen2Config(vocab_size=tiny_bpe().get_vocab_size(), hidden_size=64,
+                                   intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.bias.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("qwen2")
+    hf.to(torch.bfloat16).save_pretrained(path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").exists()
+    return path
+
+
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.FP8])
+@pytest.mark.parametrize("source", ["llama-fp32", "qwen2-bf16-sharded", "qwen2-gguf-q8_0", "kvwire-tiny"])
+def test_quantizing_while_loading_is_bit_identical_to_load_then_quantize(
+        source, mode, checkpoint, biased_bf16_sharded, tmp_path, monkeypatch):
+    monkeypatch.setattr(quant, "QUANT_BLOCK_ELEMS", 256)  # several blocks per piece
+    if source == "llama-fp32":
+        path = checkpoint[1]
+    elif source == "qwen2-bf16-sharded":
+        path = biased_bf16_sharded
+    elif source == "kvwire-tiny":
+        path = MODELS / "kvwire-tiny"
+    else:
+        hf = transformers.Qwen2ForCausalLM.from_pretrained(biased_bf16_sharded, dtype=torch.float32)
+        path = write_from_hf(hf, tiny_bpe(), tmp_path / "tiny.Q8_0.gguf", "qwen2", GGMLQuantizationType.Q8_0)
+    ref, ref_sha = load_then_quantize(path, mode)
+    got = load_model(path, quantize=load_quantizer(mode, include_lm_head=mode in HEAD_QUANTIZED))
+    assert_bit_identical(ref, got.model)
+    assert got.weights_sha256 == ref_sha
+    if source.startswith("qwen2"):
+        assert got.model.layers[0].attn.qkv.bias.abs().sum() > 0  # the biases arrived
+        assert got.model.embed.weight.dtype == torch.float32  # the table stays fp32 for the lookup
+
+
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.FP8])
+def test_engine_fingerprint_unchanged_by_quantizing_while_loading(mode):
+    path = MODELS / "kvwire-tiny"
+    engine = load_engine(EngineConfig(model_dir=path, weights=mode))
+    ref, ref_sha = load_then_quantize(path, mode)
+    assert_bit_identical(ref, engine.model)
+    assert engine.fingerprint == fingerprint(path, engine.model_config, ref_sha, mode.value, DType.FP32.value)
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not registry.is_cached(REAL), reason=f"{REAL} is not fetched (python -m tools.fetch_model {REAL})")
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.FP8])
+def test_real_model_quantized_while_loading_is_bit_identical(mode):
+    ref, ref_sha = load_then_quantize(REAL, mode)
+    got = load_model(REAL, quantize=load_quantizer(mode, include_lm_head=mode in HEAD_QUANTIZED), progress=False)
+    assert_bit_identical(ref, got.model)
+    assert got.weights_sha256 == ref_sha

@@ -19,9 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvwire.config import ModelConfig, QuantMode
 from kvwire.kv.dense import DenseKVCache
+from kvwire.model import quant
 from kvwire.model.linear import Linear
 from kvwire.model.model import Transformer
-from kvwire.model.quant import Fp8Linear, Int8Linear, quantize_model, weight_bytes
+from kvwire.model.quant import (Fp8Linear, Int8Linear, load_quantizer, quantize_model, quantize_pieces,
+                                weight_bytes)
 
 TOL = {QuantMode.BF16: 0.01, QuantMode.INT8: 0.03, QuantMode.FP8: 0.08}
 DECODE_ROWS, PREFILL_ROWS = 1, 64
@@ -316,3 +318,44 @@ def test_int8_reduce_range_follows_cpu_flags():
     vnni = torch.cpu._is_vnni_supported()
     assert default_reduce_range() is (not vnni)
     assert Int8Linear(make_linear().weight).reduce_range is (not vnni)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.FP8])
+def test_quantize_pieces_is_bit_identical_to_quantizing_the_fp32_matrix(monkeypatch, mode, src_dtype):
+    # Pieces of uneven row counts, several blocks each (and a block boundary inside a piece), one
+    # all-zero row (the clamp on the scale) and one row with a large outlier.
+    torch.manual_seed(0)
+    pieces = [torch.randn(rows, 48).to(src_dtype) for rows in (37, 5, 20)]
+    pieces[0][3] = 0
+    pieces[1][2, 7] = 300.0
+    monkeypatch.setattr(quant, "QUANT_BLOCK_ELEMS", 48 * 8)  # 8 rows a block
+    whole = torch.cat(pieces).float()
+    ref = Int8Linear(whole) if mode is QuantMode.INT8 else Fp8Linear(whole)
+    got = quantize_pieces(pieces, mode, "layers.0.mlp.down")
+    assert type(got) is type(ref) and got.bias is None and not ref._buffers["bias"]
+    for name in ("weight", "scale"):
+        assert same_bits(getattr(got, name), getattr(ref, name)), name
+    x = torch.randn(3, 48)
+    assert same_bits(got(x), ref(x))
+
+
+def test_load_quantizer_claims_lm_head_only_when_asked():
+    pieces = [torch.randn(16, 32)]
+    assert load_quantizer(QuantMode.NONE) is None and load_quantizer(QuantMode.BF16) is None
+    assert load_quantizer(QuantMode.INT8)("lm_head", pieces) is None
+    assert isinstance(load_quantizer(QuantMode.INT8, include_lm_head=True)("lm_head", pieces), Int8Linear)
+    assert isinstance(load_quantizer(QuantMode.FP8)("layers.1.attn.o", pieces), Fp8Linear)
+    with pytest.raises(ValueError, match="not int8 or fp8"):
+        quantize_pieces(pieces, QuantMode.BF16)
+
+
+def test_int8_w8a8_layers_are_picked_by_name_when_built_from_pieces(monkeypatch):
+    monkeypatch.setattr(quant, "W8A8_LAYERS", ("mlp.down",))
+    pieces = [torch.randn(16, 32)]
+    assert quantize_pieces(pieces, QuantMode.INT8, "layers.0.mlp.down").use_w8a8
+    assert not quantize_pieces(pieces, QuantMode.INT8, "layers.0.attn.o").use_w8a8

@@ -59,6 +59,7 @@ def test_every_rpc_has_its_own_request_and_response():
                 assert t not in seen, f"{t} is used by more than one RPC"
                 seen.add(t)
     assert {m.name for m in FILE.services_by_name["DecodeService"].methods} == {"GenerateTokens", "GetPoolStats"}
+    assert {m.name for m in FILE.services_by_name["PrefillService"].methods} == {"Prefill", "GetPrefillPoolStats"}
     assert {m.name for m in FILE.services_by_name["TokenizerService"].methods} == \
         {"GenerateText", "Tokenize", "Detokenize"}
 

@@ -60,7 +60,8 @@ def test_chat_completion_whole(tokenizer):
     async def main():
         async with door(tokenizer, decode) as (client, _):
             return await client.chat.completions.create(
-                model=MODEL, messages=CHAT, max_completion_tokens=len(reply), temperature=0.5, top_p=0.9, seed=7)
+                model=MODEL, messages=CHAT, max_completion_tokens=len(reply), temperature=0.5, top_p=0.9, seed=7,
+                extra_body={"ignore_eos": True})
     r = run(main())
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
     [choice] = r.choices
@@ -72,7 +73,7 @@ def test_chat_completion_whole(tokenizer):
     [req] = decode.requests
     assert list(req.prompt_token_ids) == chat_ids(tokenizer)  # the chat template was applied
     s = req.sampling
-    assert (s.max_tokens, s.temperature, s.top_p, s.seed) == (len(reply), 0.5, 0.9, 7)
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.ignore_eos) == (len(reply), 0.5, 0.9, 7, True)
 
 
 def test_chat_completion_streams_chunks_and_usage(tokenizer):
@@ -169,6 +170,7 @@ def test_models_list_and_retrieve(tokenizer):
     (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
     (dict(max_completion_tokens=-3), openai.BadRequestError, "max_completion_tokens"),
     (dict(seed=-1), openai.BadRequestError, "seed"),
+    (dict(extra_body={"ignore_eos": "yes"}), openai.BadRequestError, "ignore_eos"),
     (dict(n=2), openai.BadRequestError, "n"),
     (dict(logprobs=True), openai.BadRequestError, "logprobs"),
     (dict(stop=[""]), openai.BadRequestError, "stop"),

@@ -1,6 +1,7 @@
 """TokenizerService over real loopback gRPC, against a small real DecodeService servicer."""
 import asyncio
 import contextlib
+import gc
 
 import grpc
 import pytest
@@ -184,3 +185,42 @@ def test_one_trace_across_the_hop_with_genai_attributes(tokenizer):
     assert front.attributes["gen_ai.usage.input_tokens"] == len(tokenizer.encode("Hi"))
     assert front.attributes["gen_ai.usage.output_tokens"] == len(decode.reply)
     assert list(front.attributes["gen_ai.response.finish_reasons"]) == ["length"]
+
+
+class _EndableContext:
+    """What GenerateText uses of a grpc context; ``end()`` ends the RPC as a cancel does, and (as grpc
+    may) nothing resumes or closes the handler afterwards."""
+
+    def __init__(self):
+        self.callbacks = []
+
+    def add_done_callback(self, cb) -> None:
+        self.callbacks.append(cb)
+
+    def time_remaining(self):
+        return None
+
+    def end(self) -> None:
+        for cb in self.callbacks:
+            cb(self)
+
+
+def test_rpc_end_cancels_decode_even_if_grpc_leaves_the_handler_suspended(tokenizer):
+    decode = FakeDecode(tokenizer.encode("tick ", add_special_tokens=False), delay=0.02, endless=True)
+
+    async def main():
+        async with served(decode) as addr:
+            async with build_channel(addr) as ch:
+                servicer = TokenizerServicer(tokenizer, pb_grpc.DecodeServiceStub(ch), "tiny")
+                ctx = _EndableContext()
+                handler = servicer.GenerateText(pb.GenerateTextRequest(text="go"), ctx)
+                gc.disable()  # nothing may depend on the collector
+                try:
+                    await handler.__anext__()
+                    await handler.__anext__()  # the handler now sits at its yield, decode streaming
+                    ctx.end()
+                    await asyncio.wait_for(decode.cancelled.wait(), 5)
+                finally:
+                    gc.enable()
+                return handler is not None
+    assert run(main())

@@ -1,0 +1,273 @@
+"""The CPU decode kernels (``kernels/cpu/kvwire_cpu.c``): built on first use, called through ctypes.
+
+The C file is compiled for this machine (``-march=native``: AVX-512 where the CPU has it, AVX2
+otherwise) into a cache directory keyed by the source, the compiler and the CPU's flags, so a
+machine never runs a binary built for another CPU. Building takes seconds and needs only gcc (or
+``$CC``). Where there is no compiler (the container image), prebuilt binaries for the x86-64-v4
+(AVX-512) and x86-64-v3 (AVX2) levels (``python -m kernels.cpu --prebuild DIR``, run when the
+image is built) are used, the best one this CPU's flags allow. When neither works, or with
+``KVWIRE_CPU_KERNELS=0``, ``library()`` is None and callers keep the PyTorch path
+(``kernels.reference`` / ``torch.nn.functional``), which is also what the tests check these
+kernels against. ``KVWIRE_CPU_KERNELS=1`` makes their absence an error instead.
+
+torch is imported first on purpose: the library links ``libgomp.so.1``, and the dynamic loader then
+reuses the OpenMP runtime torch already loaded, so both share one thread pool.
+
+Tensor-level wrappers here check dtypes, shapes and contiguity; the decode step
+(``kvwire.model.fast_decode``) calls the library directly with pointers it prepared once.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "cpu" / "kvwire_cpu.c"
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+PREBUILT = Path(__file__).resolve().parent / "cpu" / "prebuilt"
+# Portable ISA levels for prebuilt binaries, best first, with the /proc/cpuinfo flags each needs.
+LEVELS = {"x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"),
+          "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
+ABI_VERSION = 2
+MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
+
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "kvw_linear_i8": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_linear_bf16": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_linear_f32": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_rms_norm": [P, I64, I64, P, F32, P],
+    "kvw_silu_mul": [P, I64, I64, P],
+    "kvw_write_kv": [P, P, I64, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_rope_split": [P, I64, I64, I64, I64, P, P, P, P, P],
+    "kvw_paged_attention": [P, I64, I64, I64, I64, P, P, P, P, I64, P, I64, P, I64, F32, P, I32, I32],
+    "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
+                          I64, I32, F32, I32],
+}
+WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C file's WT_* codes
+
+
+class LinearDesc(ctypes.Structure):
+    """kvw_linear_t: one linear layer's weights, as the C side reads them."""
+    _fields_ = [("w", P), ("scale", P), ("bias", P), ("in_features", I64), ("out_features", I64), ("wt", I64)]
+
+
+class LayerDesc(ctypes.Structure):
+    """kvw_layer_t: one transformer block's weights for kvw_decode_layers."""
+    _fields_ = [("attn_norm", P), ("mlp_norm", P), ("qkv", LinearDesc), ("o", LinearDesc),
+                ("gate_up", LinearDesc), ("down", LinearDesc), ("window", I64)]
+
+unavailable_reason: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return "unknown"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVWIRE_KERNEL_CACHE", Path.home() / ".cache" / "kvwire" / "kernels"))
+
+
+def _compile(cc: str, march: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: processes starting together never load a half file.
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        proc = subprocess.run([cc, *FLAGS, f"-march={march}", "-o", str(part), str(SOURCE), "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(part, out)
+
+
+def _native(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, _cpu_flags(), " ".join(FLAGS)]).encode())
+    target = cache_dir() / f"kvwire_cpu_{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        _compile(cc, "native", target)
+    return target
+
+
+def _source_key() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def prebuilt_path(level: str, root: Path | None = None) -> Path:
+    return (root or Path(os.environ.get("KVWIRE_KERNEL_PREBUILT", PREBUILT))) / f"kvwire_cpu_{level}_{_source_key()}.so"
+
+
+def _prebuilt() -> Path:
+    flags = set(_cpu_flags().split())
+    for level, need in LEVELS.items():
+        path = prebuilt_path(level)
+        if flags.issuperset(need) and path.exists():
+            return path
+    raise RuntimeError("no C compiler (gcc) on PATH and no prebuilt kernels for this CPU "
+                       "(python -m kernels.cpu --prebuild DIR)")
+
+
+def prebuild(root: Path) -> list[Path]:
+    """Compile the portable binaries into ``root`` (for images without a compiler)."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "gcc"
+    out = []
+    for level in LEVELS:
+        _compile(cc, level, prebuilt_path(level, root))
+        out.append(prebuilt_path(level, root))
+    return out
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (``unavailable_reason`` says why) when they cannot be used."""
+    global unavailable_reason
+    mode = os.environ.get("KVWIRE_CPU_KERNELS", "auto").lower()
+    if mode in ("0", "off", "false", "no"):
+        unavailable_reason = "disabled by KVWIRE_CPU_KERNELS=0"
+        return None
+    try:
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        try:
+            path = _native(cc) if cc is not None else _prebuilt()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            if cc is None:
+                raise
+            try:  # the compiler failed: a prebuilt binary still serves
+                path = _prebuilt()
+            except RuntimeError:
+                raise RuntimeError(f"{cc}: {e}") from e
+        lib = ctypes.CDLL(str(path))
+        if lib.kvw_abi_version() != ABI_VERSION:
+            raise RuntimeError("stale kernel library (ABI version mismatch)")
+        for name, args in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+        return lib
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        unavailable_reason = f"CPU kernels unavailable: {e}"
+        if mode in ("1", "on", "true", "yes"):
+            raise RuntimeError(unavailable_reason) from e
+        return None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor, got {t.dtype} "
+                         f"{'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
+
+
+LINEAR_FN = {torch.int8: "kvw_linear_i8", torch.bfloat16: "kvw_linear_bf16", torch.float32: "kvw_linear_f32"}
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """x [rows, in] fp32 @ w [out, in] (int8 / bf16 / fp32).T, times scale [out], plus bias [out],
+    plus residual [rows, out] -> [rows, out] fp32."""
+    _check(x, torch.float32, "x")
+    if w.dtype not in LINEAR_FN or not w.is_contiguous():
+        raise ValueError(f"w: expected a contiguous int8, bfloat16 or float32 tensor, got {w.dtype}")
+    rows, n_in = x.shape
+    n_out = w.shape[0]
+    for t, name in ((scale, "scale"), (bias, "bias"), (residual, "residual")):
+        if t is not None:
+            _check(t, torch.float32, name)
+    y = torch.empty(rows, n_out, dtype=torch.float32)
+    getattr(library(), LINEAR_FN[w.dtype])(x.data_ptr(), rows, n_in, w.data_ptr(), n_out, y.data_ptr(),
+                                           _ptr(scale), _ptr(bias), _ptr(residual),
+                                           threads or torch.get_num_threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    _check(x, torch.float32, "x")
+    _check(w, torch.float32, "w")
+    y = torch.empty_like(x)
+    library().kvw_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * inter] = [gate | up] -> silu(gate) * up [rows, inter]."""
+    _check(gu, torch.float32, "gu")
+    rows, width = gu.shape
+    out = torch.empty(rows, width // 2)
+    library().kvw_silu_mul(gu.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
+
+
+def rope_split(qkv: torch.Tensor, h: int, hkv: int, d: int, cos: torch.Tensor, sin: torch.Tensor):
+    """qkv [T, (h + 2 hkv) d] -> q [T, h, d], k [T, hkv, d] with RoPE (cos, sin [T, d]), v [T, hkv, d]."""
+    for t, name in ((qkv, "qkv"), (cos, "cos"), (sin, "sin")):
+        _check(t, torch.float32, name)
+    n = qkv.shape[0]
+    q, k, v = torch.empty(n, h, d), torch.empty(n, hkv, d), torch.empty(n, hkv, d)
+    library().kvw_rope_split(qkv.data_ptr(), n, h, hkv, d, cos.data_ptr(), sin.data_ptr(),
+                             q.data_ptr(), k.data_ptr(), v.data_ptr())
+    return q, k, v
+
+
+def write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping) -> None:
+    """``kernels.reference.write_kv``, bit for bit."""
+    _check(k_new, torch.float32, "k_new")
+    _check(v_new, torch.float32, "v_new")
+    _check(slot_mapping, torch.int64, "slot_mapping")
+    _, hkv, block_size, d = k_pages.shape
+    library().kvw_write_kv(k_new.data_ptr(), v_new.data_ptr(), k_new.shape[0], hkv, d, slot_mapping.data_ptr(),
+                           block_size, k_pages.data_ptr(), v_pages.data_ptr(), _ptr(k_scale), _ptr(v_scale),
+                           int(k_scale is not None))
+
+
+def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    return (head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GQA_RATIO)
+
+
+def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context_lens, window, sm_scale,
+                    threads: int | None = None) -> torch.Tensor:
+    """``kernels.reference.paged_decode_attention`` (within fp32 round-off), reading pages in place."""
+    _check(q, torch.float32, "q")
+    _check(block_tables, torch.int32, "block_tables")
+    _check(context_lens, torch.int32, "context_lens")
+    s, h, d = q.shape
+    _, hkv, block_size, _ = k_pages.shape
+    if not supports_attention(h, hkv, d):
+        raise ValueError(f"unsupported attention shape: {h} heads, {hkv} kv heads, head_dim {d}")
+    out = torch.empty_like(q)
+    library().kvw_paged_attention(q.data_ptr(), s, h, hkv, d, k_pages.data_ptr(), v_pages.data_ptr(),
+                                  _ptr(k_scale), _ptr(v_scale), block_size, block_tables.data_ptr(),
+                                  block_tables.shape[1], context_lens.data_ptr(), window or 0, sm_scale,
+                                  out.data_ptr(), int(k_scale is not None), threads or torch.get_num_threads())
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m kernels.cpu", description="Build the CPU decode kernels.")
+    ap.add_argument("--prebuild", type=Path, metavar="DIR", help="compile the portable x86-64-v4/v3 binaries into DIR")
+    args = ap.parse_args()
+    if args.prebuild:
+        for p in prebuild(args.prebuild):
+            print(p)
+    else:
+        print("CPU kernels:", "available" if available() else unavailable_reason)

@@ -1,0 +1,471 @@
+/* kvwire's CPU decode kernels: the few ops a decode step spends its time in, for few rows.
+ *
+ * Built at first use by kernels/cpu_build.py with the machine's own flags (-march=native), so the
+ * 16-wide vectors below become AVX-512 registers where the CPU has them and pairs of AVX2 registers
+ * where it does not. Plain C (GCC vector extensions, no intrinsics, no torch headers): it compiles
+ * in about a second and is called through ctypes with raw pointers.
+ *
+ * Determinism: every output element is computed by one thread with the same sequence of
+ * operations whatever the number of rows in the call, the tile it falls in or the thread count.
+ * So a row's result does not depend on what it was batched with: a speculative verification of
+ * k + 1 rows gives each row exactly the logits one-row decoding gives (greedy exactness).
+ *
+ * Layouts (row-major, contiguous):
+ *   x [rows, in] fp32; weights [out, in] int8 (per-output-row fp32 scale), bf16 (uint16 bits,
+ *   optional scale) or fp32; y [rows, out] fp32.
+ *   KV pages [num_pages, num_kv_heads, block_size, head_dim] fp8 e4m3 (bytes) or bf16 (uint16),
+ *   scales [num_pages, num_kv_heads, block_size] bf16 bits (fp8 only); see kernels/reference.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#ifndef KVW_PREFETCH
+#define KVW_PREFETCH 0  /* bytes ahead to prefetch weight rows (0: leave it to the hardware) */
+#endif
+
+ALWAYS_INLINE f32x16 load_f32(const float *p) { f32x16 v; memcpy(&v, p, 64); return v; }
+ALWAYS_INLINE void store_f32(float *p, f32x16 v) { memcpy(p, &v, 64); }
+/* Byte -> 32-bit widening: GCC scalarizes __builtin_convertvector for bytes, so it is spelled out. */
+ALWAYS_INLINE i32x16 widen_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i v[2] = {_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))};
+#else
+    int32_t v[16]; for (int i = 0; i < 16; i++) v[i] = p[i];
+#endif
+    i32x16 r; memcpy(&r, &v, 64); return r;
+}
+ALWAYS_INLINE u32x16 widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i v[2] = {_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))};
+#else
+    uint32_t v[16]; for (int i = 0; i < 16; i++) v[i] = p[i];
+#endif
+    u32x16 r; memcpy(&r, &v, 64); return r;
+}
+ALWAYS_INLINE f32x16 load_i8(const int8_t *p) { return __builtin_convertvector(widen_i8(p), f32x16); }
+ALWAYS_INLINE f32x16 load_bf16(const uint16_t *p) {
+    u16x16 h; memcpy(&h, p, 32);
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    return (f32x16)w;
+}
+/* e4m3fn -> fp32, exactly: exponent and mantissa move into fp32's fields (bias 127 instead of 7,
+ * so scale by 2^120); subnormals become fp32 subnormals, which the multiplication makes exact. */
+ALWAYS_INLINE f32x16 load_fp8(const uint8_t *p) {
+    u32x16 w = widen_u8(p);
+    u32x16 bits = ((w & 0x7Fu) << 20) | ((w & 0x80u) << 24);
+    return (f32x16)bits * 0x1p120f;
+}
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x2 __attribute__((vector_size(8)));
+ALWAYS_INLINE float hsum(f32x16 v) {  /* a fixed tree (halves, then quarters...), so the same bits everywhere */
+    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    f32x2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
+    return c[0] + c[1];
+}
+static inline float bf16_to_f32(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+static inline float f32_from(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+/* ---- linear: y = x @ w.T (* scale) (+ bias) (+ residual) ------------------------------------ */
+/* Per output element: two accumulators (even and odd 16-wide chunks of the input), added, reduced
+ * by hsum, then the scalar tail, then scale, bias, residual — the same steps for every element. */
+
+#define WT_I8 0
+#define WT_BF16 1
+#define WT_F32 2
+
+ALWAYS_INLINE f32x16 load_w(const void *w, int64_t i, const int wt) {
+    if (wt == WT_I8) return load_i8((const int8_t *)w + i);
+    if (wt == WT_BF16) return load_bf16((const uint16_t *)w + i);
+    return load_f32((const float *)w + i);
+}
+ALWAYS_INLINE float scalar_w(const void *w, int64_t i, const int wt) {
+    if (wt == WT_I8) return (float)((const int8_t *)w)[i];
+    if (wt == WT_BF16) return bf16_to_f32(((const uint16_t *)w)[i]);
+    return ((const float *)w)[i];
+}
+ALWAYS_INLINE size_t w_size(const int wt) { return wt == WT_I8 ? 1 : wt == WT_BF16 ? 2 : 4; }
+
+/* One tile: NO output rows starting at o0 (whose weights start at w), NR activation rows from r0. */
+ALWAYS_INLINE void linear_tile(const float *x, int64_t in, const void *w, int64_t o0, int64_t r0,
+                               int64_t out, float *y, const float *scale, const float *bias,
+                               const float *res, const int wt, const int NO, const int NR) {
+    f32x16 acc[8][4][2];  /* fixed sizes (not VLAs), so that the accumulators live in registers */
+    for (int o = 0; o < NO; o++)
+        for (int r = 0; r < NR; r++) acc[o][r][0] = acc[o][r][1] = (f32x16){0};
+    const char *wb = (const char *)w;
+    const size_t ws = w_size(wt);
+    int64_t i = 0;
+    for (; i + 32 <= in; i += 32) {  /* chunk i into accumulator 0, chunk i + 16 into accumulator 1 */
+#if KVW_PREFETCH
+        if (wt != WT_F32 || NR == 1)
+            for (int o = 0; o < NO; o++) __builtin_prefetch(wb + ((size_t)o * in + i) * ws + KVW_PREFETCH, 0, 0);
+#endif
+        for (int half = 0; half < 2; half++) {
+            f32x16 wv[8];
+            for (int o = 0; o < NO; o++) wv[o] = load_w(wb + (size_t)o * in * ws, i + 16 * half, wt);
+            for (int r = 0; r < NR; r++) {
+                f32x16 xv = load_f32(x + (r0 + r) * in + i + 16 * half);
+                for (int o = 0; o < NO; o++) acc[o][r][half] += wv[o] * xv;
+            }
+        }
+    }
+    if (i + 16 <= in) {
+        f32x16 wv[8];
+        for (int o = 0; o < NO; o++) wv[o] = load_w(wb + (size_t)o * in * ws, i, wt);
+        for (int r = 0; r < NR; r++) {
+            f32x16 xv = load_f32(x + (r0 + r) * in + i);
+            for (int o = 0; o < NO; o++) acc[o][r][0] += wv[o] * xv;
+        }
+        i += 16;
+    }
+    for (int o = 0; o < NO; o++) {
+        const void *wr = wb + (size_t)o * in * ws;
+        for (int r = 0; r < NR; r++) {
+            float s = hsum(acc[o][r][0] + acc[o][r][1]);
+            for (int64_t t = i; t < in; t++) s += scalar_w(wr, t, wt) * x[(r0 + r) * in + t];
+            if (scale) s *= scale[o0 + o];
+            if (bias) s += bias[o0 + o];
+            int64_t k = (r0 + r) * out + o0 + o;
+            y[k] = res ? res[k] + s : s;
+        }
+    }
+}
+
+#define TILE_CASES(NO, W, WT) \
+    switch (nr) { case 1: linear_tile(x, in, W, o, r, out, y, scale, bias, res, WT, NO, 1); break; \
+                  case 2: linear_tile(x, in, W, o, r, out, y, scale, bias, res, WT, NO, 2); break; \
+                  case 3: linear_tile(x, in, W, o, r, out, y, scale, bias, res, WT, NO, 3); break; \
+                  default: linear_tile(x, in, W, o, r, out, y, scale, bias, res, WT, NO, 4); break; }
+
+ALWAYS_INLINE void linear_range(const float *x, int64_t rows, int64_t in, const void *w, int64_t out,
+                                int64_t o_begin, int64_t o_end, float *y, const float *scale,
+                                const float *bias, const float *res, const int wt) {
+    /* One activation row (batch-1 decode): 8 output rows per tile, 16 independent FMA chains.
+     * 2-4 rows: 4 output x all rows, converting weights on the fly. More rows (batched decode,
+     * verification): each 4-row weight tile is converted to fp32 once into an L1 buffer, then every
+     * group of 4 activation rows runs on it, so the conversion no longer scales with the rows
+     * (for inputs up to 1024 wide; wider ones convert on the fly, 4 x 4 tiles).
+     * The per-element arithmetic is the same in every case (conversions are exact). */
+    const size_t ws = w_size(wt);
+    if (rows > 4 && wt != WT_F32 && in <= 1024) {  /* the fp32 tile (<= 16 KB) stays in L1 */
+        float *buf = malloc(sizeof(float) * 4 * in);
+        for (int64_t o = o_begin; o < o_end;) {
+            const int64_t no = o_end - o >= 4 ? 4 : 1;
+            const char *src = (const char *)w + (size_t)o * in * ws;
+            for (int64_t k = 0; k < no; k++) {
+                int64_t i = 0;
+                for (; i + 16 <= in; i += 16) store_f32(buf + k * in + i, load_w(src + (size_t)k * in * ws, i, wt));
+                for (; i < in; i++) buf[k * in + i] = scalar_w(src + (size_t)k * in * ws, i, wt);
+            }
+            for (int64_t r = 0; r < rows; r += 4) {
+                const int64_t nr = rows - r < 4 ? rows - r : 4;
+                if (no == 4) { TILE_CASES(4, buf, WT_F32) }
+                else { TILE_CASES(1, buf, WT_F32) }
+            }
+            o += no;
+        }
+        free(buf);
+        return;
+    }
+    const int64_t ot = rows == 1 ? 8 : 4;
+    for (int64_t o = o_begin; o < o_end;) {
+        const int64_t left = o_end - o, no = left >= ot ? ot : left >= 4 ? 4 : 1;
+        const char *wo = (const char *)w + (size_t)o * in * ws;
+        for (int64_t r = 0; r < rows; r += 4) {
+            const int64_t nr = rows - r < 4 ? rows - r : 4;
+            if (no == 8) linear_tile(x, in, wo, o, r, out, y, scale, bias, res, wt, 8, 1);
+            else if (no == 4) { TILE_CASES(4, wo, wt) }
+            else { TILE_CASES(1, wo, wt) }
+        }
+        o += no;
+    }
+}
+
+static void linear(const float *x, int64_t rows, int64_t in, const void *w, int64_t out, float *y,
+                   const float *scale, const float *bias, const float *res, int nthreads, const int wt) {
+    /* Threads take contiguous ranges of output rows (multiples of 8), so each element has one owner. */
+    int64_t chunks = (out + 7) / 8;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        int64_t c0 = chunks * id / nt, c1 = chunks * (id + 1) / nt;
+        int64_t o0 = c0 * 8, o1 = c1 * 8 < out ? c1 * 8 : out;
+        if (o0 < o1) {
+            if (wt == WT_I8) linear_range(x, rows, in, w, out, o0, o1, y, scale, bias, res, WT_I8);
+            else if (wt == WT_BF16) linear_range(x, rows, in, w, out, o0, o1, y, scale, bias, res, WT_BF16);
+            else linear_range(x, rows, in, w, out, o0, o1, y, scale, bias, res, WT_F32);
+        }
+    }
+}
+
+void kvw_linear_i8(const float *x, int64_t rows, int64_t in, const int8_t *w, int64_t out, float *y,
+                   const float *scale, const float *bias, const float *res, int nthreads) {
+    linear(x, rows, in, w, out, y, scale, bias, res, nthreads, WT_I8);
+}
+void kvw_linear_bf16(const float *x, int64_t rows, int64_t in, const uint16_t *w, int64_t out, float *y,
+                     const float *scale, const float *bias, const float *res, int nthreads) {
+    linear(x, rows, in, w, out, y, scale, bias, res, nthreads, WT_BF16);
+}
+void kvw_linear_f32(const float *x, int64_t rows, int64_t in, const float *w, int64_t out, float *y,
+                    const float *scale, const float *bias, const float *res, int nthreads) {
+    linear(x, rows, in, w, out, y, scale, bias, res, nthreads, WT_F32);
+}
+
+/* ---- small row ops -------------------------------------------------------------------------- */
+
+/* y = x / sqrt(mean(x^2) + eps) * w, per row. */
+void kvw_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        double ss = 0;
+        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        float inv = 1.0f / sqrtf((float)(ss / n) + eps);
+        for (int64_t i = 0; i < n; i++) y[r * n + i] = xr[i] * inv * w[i];
+    }
+}
+
+/* gu [rows, 2 * inter] = [gate | up] -> out [rows, inter] = silu(gate) * up. */
+void kvw_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < inter; i++) {
+            float g = gu[r * 2 * inter + i];
+            out[r * inter + i] = g / (1.0f + expf(-g)) * gu[r * 2 * inter + inter + i];
+        }
+}
+
+/* ---- KV writes: bit-exact with kernels/reference.py write_kv -------------------------------- */
+
+/* fp32 -> float8_e4m3fn, round to nearest even (c10's fp8e4m3fn_from_fp32_value). The caller
+ * has clamped to +-448, so the out-of-range (NaN) branch is never taken for written values. */
+static uint8_t f32_to_e4m3(float f) {
+    uint32_t bits = f32_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t result;
+    if (bits >= (1087u << 20)) {
+        result = 0x7f;
+    } else if (bits < (121u << 23)) {
+        const uint32_t denorm_mask = 141u << 23;
+        bits = f32_bits(f32_from(bits) + f32_from(denorm_mask));
+        result = (uint8_t)(bits - denorm_mask);
+    } else {
+        uint32_t mant_odd = (bits >> 20) & 1;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFF;
+        bits += mant_odd;
+        result = (uint8_t)(bits >> 20);
+    }
+    return result | (uint8_t)(sign >> 24);
+}
+
+static uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
+    uint32_t b = f32_bits(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((b + (((b >> 16) & 1) + 0x7FFF)) >> 16);
+}
+
+/* amax / 448, floored at 1e-12, rounded up to a bfloat16 (reference.token_scale). */
+static float token_scale(float amax) {
+    float s = amax / 448.0f;
+    if (s < 1e-12f) s = 1e-12f;
+    uint32_t b = f32_bits(s);
+    uint32_t up = (b & 0xFFFFu) != 0 ? 0x10000u : 0;
+    return f32_from((b & 0xFFFF0000u) + up);
+}
+
+static void write_row(const float *x, int64_t d, void *pages, uint16_t *scales, int64_t idx, int fp8) {
+    if (!fp8) {
+        uint16_t *dst = (uint16_t *)pages + idx * d;
+        for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(x[i]);
+        return;
+    }
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; i++) { float a = fabsf(x[i]); amax = a > amax ? a : amax; }
+    float s = token_scale(amax);
+    uint8_t *dst = (uint8_t *)pages + idx * d;
+    for (int64_t i = 0; i < d; i++) {
+        float v = x[i] / s;
+        v = v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);
+        dst[i] = f32_to_e4m3(v);
+    }
+    scales[idx] = (uint16_t)(f32_bits(s) >> 16);
+}
+
+/* k, v [T, Hkv, D] -> their slots (slot = page * block_size + offset). */
+void kvw_write_kv(const float *k, const float *v, int64_t T, int64_t hkv, int64_t d, const int64_t *slots,
+                  int64_t block_size, void *k_pages, void *v_pages, uint16_t *k_scale, uint16_t *v_scale,
+                  int fp8) {
+    for (int64_t t = 0; t < T; t++) {
+        int64_t page = slots[t] / block_size, off = slots[t] % block_size;
+        for (int64_t h = 0; h < hkv; h++) {
+            int64_t idx = (page * hkv + h) * block_size + off;  /* [page, h, off] */
+            write_row(k + (t * hkv + h) * d, d, k_pages, k_scale, idx, fp8);
+            write_row(v + (t * hkv + h) * d, d, v_pages, v_scale, idx, fp8);
+        }
+    }
+}
+
+/* qkv [T, (H + 2 Hkv) D] -> q_out [T, H, D] and k_out [T, Hkv, D] with RoPE ("rotate half":
+ * x * cos + rotate_half(x) * sin, cos/sin [T, D]), v_out [T, Hkv, D] copied. */
+void kvw_rope_split(const float *qkv, int64_t T, int64_t h, int64_t hkv, int64_t d, const float *cos_,
+                    const float *sin_, float *q_out, float *k_out, float *v_out) {
+    const int64_t width = (h + 2 * hkv) * d, half = d / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * width, *c = cos_ + t * d, *s = sin_ + t * d;
+        for (int64_t hh = 0; hh < h + hkv; hh++) {
+            const float *x = row + hh * d;
+            float *o = hh < h ? q_out + (t * h + hh) * d : k_out + (t * hkv + hh - h) * d;
+            for (int64_t i = 0; i < half; i++) {
+                float a = x[i] * c[i], b = -x[i + half] * s[i];
+                o[i] = a + b;
+            }
+            for (int64_t i = half; i < d; i++) {
+                float a = x[i] * c[i], b = x[i - half] * s[i];
+                o[i] = a + b;
+            }
+        }
+        memcpy(v_out + t * hkv * d, row + (h + hkv) * d, (size_t)(hkv * d) * sizeof(float));
+    }
+}
+
+/* ---- paged attention, one query row per (token), GQA, reading fp8/bf16 pages in place --------- */
+
+ALWAYS_INLINE f32x16 load_kv(const void *pages, int64_t idx, int64_t d, int64_t c, int fp8) {
+    if (fp8) return load_fp8((const uint8_t *)pages + idx * d + c * 16);
+    return load_bf16((const uint16_t *)pages + idx * d + c * 16);
+}
+
+/* q [S, H, D] -> out [S, H, D]. Row s sits at position p = ctx[s] - 1 and sees positions j <= p
+ * (and j > p - window when window > 0) of its block table tables[s, :max_blocks]. One task per
+ * (row, kv head); D must be a multiple of 16 (at most 256). */
+void kvw_paged_attention(const float *q, int64_t S, int64_t h, int64_t hkv, int64_t d,
+                         const void *k_pages, const void *v_pages, const uint16_t *k_scale,
+                         const uint16_t *v_scale, int64_t block_size, const int32_t *tables,
+                         int64_t max_blocks, const int32_t *ctx, int64_t window, float sm_scale,
+                         float *out, int fp8, int nthreads) {
+    const int64_t ratio = h / hkv, nc = d / 16;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < S * hkv; task++) {
+        const int64_t s = task / hkv, g = task % hkv;
+        const int64_t p = ctx[s] - 1;
+        const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        const int64_t L = p - lo + 1;
+        const int32_t *tab = tables + s * max_blocks;
+        float *sc = (float *)malloc((size_t)(ratio * L) * sizeof(float));
+        f32x16 qv[8][16];  /* ratio <= 8 query heads per kv head, d <= 256 */
+        for (int64_t r = 0; r < ratio; r++)
+            for (int64_t c = 0; c < nc; c++) qv[r][c] = load_f32(q + ((s * h) + g * ratio + r) * d + c * 16);
+        for (int64_t j = lo; j <= p; j++) {
+            const int64_t idx = ((int64_t)tab[j / block_size] * hkv + g) * block_size + j % block_size;
+            f32x16 kv[16];
+            for (int64_t c = 0; c < nc; c++) kv[c] = load_kv(k_pages, idx, d, c, fp8);
+            const float ks = (fp8 ? bf16_to_f32(k_scale[idx]) : 1.0f) * sm_scale;
+            for (int64_t r = 0; r < ratio; r++) {
+                f32x16 a = qv[r][0] * kv[0];
+                for (int64_t c = 1; c < nc; c++) a += qv[r][c] * kv[c];
+                sc[r * L + j - lo] = hsum(a) * ks;
+            }
+        }
+        float denom[8];
+        for (int64_t r = 0; r < ratio; r++) {
+            float *row = sc + r * L, m = row[0], sum = 0.0f;
+            for (int64_t j = 1; j < L; j++) m = row[j] > m ? row[j] : m;
+            for (int64_t j = 0; j < L; j++) { row[j] = expf(row[j] - m); sum += row[j]; }
+            denom[r] = sum;
+        }
+        f32x16 acc[8][16];
+        for (int64_t r = 0; r < ratio; r++)
+            for (int64_t c = 0; c < nc; c++) acc[r][c] = (f32x16){0};
+        for (int64_t j = lo; j <= p; j++) {
+            const int64_t idx = ((int64_t)tab[j / block_size] * hkv + g) * block_size + j % block_size;
+            f32x16 vv[16];
+            for (int64_t c = 0; c < nc; c++) vv[c] = load_kv(v_pages, idx, d, c, fp8);
+            const float vs = fp8 ? bf16_to_f32(v_scale[idx]) : 1.0f;
+            for (int64_t r = 0; r < ratio; r++) {
+                const float wgt = sc[r * L + j - lo] * vs;
+                for (int64_t c = 0; c < nc; c++) acc[r][c] += wgt * vv[c];
+            }
+        }
+        for (int64_t r = 0; r < ratio; r++) {
+            float inv = 1.0f / denom[r];
+            for (int64_t c = 0; c < nc; c++) store_f32(out + ((s * h) + g * ratio + r) * d + c * 16, acc[r][c] * inv);
+        }
+        free(sc);
+    }
+}
+
+/* ---- the whole decode step's layers in one call ------------------------------------------------ */
+
+typedef struct {
+    const void *w;  /* [out, in] */
+    const float *scale, *bias;  /* [out] or NULL */
+    int64_t in, out;
+    int64_t wt;  /* WT_I8, WT_BF16, WT_F32 */
+} kvw_linear_t;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;  /* [hidden] */
+    kvw_linear_t qkv, o, gate_up, down;
+    int64_t window;  /* 0: none */
+} kvw_layer_t;
+
+static void run_linear(const kvw_linear_t *l, const float *x, int64_t rows, float *y, const float *res, int nthreads) {
+    linear(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads, (int)l->wt);
+}
+
+/* x [n, hidden] (the embeddings in, the last layer's output out, in place) through every layer:
+ * the sequence of kvw_* calls kvwire/model/fast_decode.py documents, without going back to Python.
+ * Layer l's pages start at k_base + l * page_stride elements (scales: l * scale_stride). */
+void kvw_decode_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, int64_t n, int64_t hidden,
+                       int64_t h, int64_t hkv, int64_t d, int64_t inter, float eps, const float *cos_,
+                       const float *sin_, const int64_t *slots, const int32_t *tables, int64_t max_blocks,
+                       const int32_t *ctx, void *k_base, void *v_base, uint16_t *ks_base, uint16_t *vs_base,
+                       int64_t page_stride, int64_t scale_stride, int64_t block_size, int fp8, float sm_scale,
+                       int nthreads) {
+    const size_t elem = fp8 ? 1 : 2;
+    float *hbuf = malloc(sizeof(float) * n * hidden), *qkv = malloc(sizeof(float) * n * (h + 2 * hkv) * d);
+    float *q = malloc(sizeof(float) * n * h * d), *attn = malloc(sizeof(float) * n * h * d);
+    float *k = malloc(sizeof(float) * n * hkv * d), *v = malloc(sizeof(float) * n * hkv * d);
+    float *gu = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
+    for (int64_t i = 0; i < num_layers; i++) {
+        const kvw_layer_t *L = layers + i;
+        void *kp = (char *)k_base + i * page_stride * elem, *vp = (char *)v_base + i * page_stride * elem;
+        uint16_t *ks = fp8 ? ks_base + i * scale_stride : NULL, *vs = fp8 ? vs_base + i * scale_stride : NULL;
+        kvw_rms_norm(x, n, hidden, L->attn_norm, eps, hbuf);
+        run_linear(&L->qkv, hbuf, n, qkv, NULL, nthreads);
+        kvw_rope_split(qkv, n, h, hkv, d, cos_, sin_, q, k, v);
+        kvw_write_kv(k, v, n, hkv, d, slots, block_size, kp, vp, ks, vs, fp8);
+        kvw_paged_attention(q, n, h, hkv, d, kp, vp, ks, vs, block_size, tables, max_blocks, ctx, L->window,
+                            sm_scale, attn, fp8, nthreads);
+        run_linear(&L->o, attn, n, x, x, nthreads);
+        kvw_rms_norm(x, n, hidden, L->mlp_norm, eps, hbuf);
+        run_linear(&L->gate_up, hbuf, n, gu, NULL, nthreads);
+        kvw_silu_mul(gu, n, inter, act);
+        run_linear(&L->down, act, n, x, x, nthreads);
+    }
+    free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(gu); free(act);
+}
+
+int kvw_abi_version(void) { return 2; }

@@ -1,0 +1,111 @@
+"""The decode step in two C calls (``kernels/cpu``), for the steps that decide speed.
+
+A decode or speculative-verification step (every token of the step comes after context already in
+the paged cache) costs, in eager PyTorch, some thirty small torch ops per layer, and on a small
+model their dispatch costs more than the arithmetic (SmolLM2-135M: ~2,000 ops per token). Here
+one call runs every layer (``kvw_decode_layers``), each of them
+
+    rms_norm -> qkv linear -> rope + split -> write K/V to pages -> paged attention
+    -> o linear (+ residual) -> rms_norm -> gate_up linear -> silu * up -> down linear (+ residual)
+
+with weights read in their stored form (int8 + per-row scale, bf16, the bf16 image of fp8, fp32)
+by matvec kernels that stream them once for all rows of the step, and attention reading FP8 pages
+in place (no dequantized copy of the context); a second call is the final norm's LM head. The math is ``kvwire.model.model``'s; the results
+agree with it within float32 round-off (activations stay fp32 here, where the PyTorch int8 and bf16
+paths round them to bf16), and K/V bytes written are ``kernels.reference.write_kv``'s bit for bit.
+Every row's result is independent of the other rows of the step (see the C file), so verifying
+k + 1 tokens gives each the logits of decoding it alone.
+
+Anything else (prompts, long chunks, an unsupported layer type or shape, no compiler) returns
+None and the model's own forward runs.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import cpu
+from kvwire.model.linear import Linear
+from kvwire.model.model import rope_cos_sin
+
+
+def linear_desc(module: torch.nn.Module, keep: list) -> cpu.LinearDesc | None:
+    """A Linear, Int8Linear or Fp8Linear on CPU as the C side reads it (by the tensors it holds),
+    or None for anything else. Tensors whose pointers are taken are appended to ``keep``."""
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.dtype not in cpu.WEIGHT_TYPES \
+            or w.dim() != 2 or not w.is_contiguous():
+        return None
+    scale = getattr(module, "scale", None)
+    if not isinstance(module, Linear) and not isinstance(scale, torch.Tensor):
+        return None  # an unknown layer kind: do not guess its numerics
+    bias = getattr(module, "bias", None)
+    tensors = [w.detach()] + [None if t is None else t.detach().float().contiguous() for t in (scale, bias)]
+    keep.extend(t for t in tensors if t is not None)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return cpu.LinearDesc(ptr(tensors[0]), ptr(tensors[1]), ptr(tensors[2]), w.shape[1], w.shape[0],
+                          cpu.WEIGHT_TYPES[w.dtype])
+
+
+class FastDecode:
+    """Built once per model (``build``); called by ``Transformer.forward`` for every step."""
+
+    def __init__(self, lib, model, layers: ctypes.Array, head: cpu.LinearDesc, keep: list):
+        cfg = model.cfg
+        self.lib, self.model, self.layers, self.head = lib, model, layers, head
+        self._keep = keep  # the tensors whose pointers the descriptors hold
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        self.final_norm = model.norm.weight.detach().float().contiguous()
+        self.vocab = head.out_features
+        self._head_fn = getattr(lib, cpu.LINEAR_FN[next(d for d, c in cpu.WEIGHT_TYPES.items() if c == head.wt)])
+
+    @classmethod
+    def build(cls, model) -> "FastDecode | None":
+        lib = cpu.library()
+        cfg = model.cfg
+        if lib is None or not cpu.supports_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+            return None
+        keep: list[torch.Tensor] = []
+        layers = (cpu.LayerDesc * len(model.layers))()
+        for desc, block in zip(layers, model.layers):
+            lins = [linear_desc(m, keep) for m in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down)]
+            if any(d is None for d in lins):
+                return None
+            norms = [block.attn_norm.weight.detach().float().contiguous(), block.mlp_norm.weight.detach().float().contiguous()]
+            keep.extend(norms)
+            desc.attn_norm, desc.mlp_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            desc.qkv, desc.o, desc.gate_up, desc.down = lins
+            desc.window = block.attn.window or 0
+        head = linear_desc(model.lm_head, keep)
+        return None if head is None else cls(lib, model, layers, head, keep)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
+                 logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+        step = getattr(cache, "paged_step", None)
+        step = step() if step is not None else None
+        if step is None or tokens.device.type != "cpu":
+            return None
+        slots, tables, ctx = step
+        n, threads, d = tokens.shape[0], torch.get_num_threads(), self.d
+        x = self.model.embed(tokens).float().contiguous()  # [n, hidden], updated in place layer by layer
+        cos, sin = (t.reshape(n, d).contiguous() for t in rope_cos_sin(self.model.inv_freq, positions))  # [n, d]
+        fp8 = cache.k_scale is not None
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.lib.kvw_decode_layers(
+            self.layers, len(self.layers), x.data_ptr(), n, self.hidden, self.h, self.hkv, d, self.inter, self.eps,
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
+            cache.k.data_ptr(), cache.v.data_ptr(), ptr(cache.k_scale), ptr(cache.v_scale),
+            cache.k[0].numel(), 0 if cache.k_scale is None else cache.k_scale[0].numel(), cache.spec.block_size,
+            int(fp8), cache.sm_scale, threads)
+        if logits_rows is not None:
+            x = x[logits_rows].contiguous()  # [num_rows, hidden]
+        rows = x.shape[0]
+        normed = torch.empty(rows, self.hidden)
+        self.lib.kvw_rms_norm(x.data_ptr(), rows, self.hidden, self.final_norm.data_ptr(), self.eps, normed.data_ptr())
+        logits = torch.empty(rows, self.vocab)
+        hd = self.head
+        self._head_fn(normed.data_ptr(), rows, hd.in_features, hd.w, self.vocab, logits.data_ptr(), hd.scale,
+                      hd.bias, None, threads)
+        return logits  # [num_rows, vocab] fp32

@@ -1,0 +1,26 @@
+"""``python -m bench speculative`` runs every mode, batch 1 and batched, with its transformers peer,
+on the embedded pair; and n-gram alone on a model without a draft."""
+from __future__ import annotations
+
+import shutil
+
+from bench import speculative
+from kvwire.cli import DEFAULT_MODEL_DIR
+
+
+def test_bench_speculative_every_mode_and_the_peer(tmp_path):
+    report = speculative.main(["--prompts", "2", "--max-tokens", "6", "--batches", "1,2", "--out", str(tmp_path)])
+    rows = {(r["task"], r["batch"], r["mode"]): r for r in report["results"]}
+    assert set(rows) == {(t, b, m) for t in ("grounded", "chat") for b in (1, 2) for m in ("none", "ngram", "draft")}
+    for r in report["results"]:
+        assert r["decode_tokens"] > 0 and r["identical_to_none"] in (None, True), r
+    assert {(p["task"], p["mode"]) for p in report["transformers"]} == \
+        {(t, m) for t in ("grounded", "chat") for m in ("none", "ngram", "draft")}
+    assert (tmp_path / report["files"]["md"]).is_file()
+
+
+def test_bench_speculative_ngram_without_a_draft(tmp_path):
+    model = shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "solo")  # no solo-draft beside it
+    report = speculative.main(["--model-dir", str(model), "--prompts", "1", "--max-tokens", "5", "--batches", "1",
+                               "--tasks", "chat", "--peers", "", "--out", str(tmp_path)])
+    assert [r["mode"] for r in report["results"]] == ["none", "ngram"] and report["draft"] is None

@@ -1,0 +1,216 @@
+"""The engine's speculative step: one-call verification over the paged cache, exact rollback,
+speculation turning itself off at low acceptance, and cancellation during a verification step."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from kvwire import LLM, SamplingParams
+from kvwire.config import KVDtype
+from kvwire.engine import speculative as spec
+from kvwire.engine.request import Request
+from kvwire.engine.runner import ModelRunner
+from kvwire.runtime import EngineConfig, load_engine
+from kvwire.sampling_params import SpeculativeMode
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from tests.decode_svc.harness import Harness, tiny_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-engine")
+    return tiny_model(root / "target"), tiny_model(root / "draft", seed=1, hidden_size=32, num_layers=1)
+
+
+def _page_bytes(cache, seq: int) -> list[torch.Tensor]:
+    idx = torch.tensor(cache.page_ids(seq))
+    out = [cache.k.view(torch.uint8)[:, idx], cache.v.view(torch.uint8)[:, idx]]
+    if cache.k_scale is not None:
+        out += [cache.k_scale.view(torch.int16)[:, idx], cache.v_scale.view(torch.int16)[:, idx]]
+    return out
+
+
+@pytest.mark.parametrize("kv", [KVDtype.FP8_E4M3, KVDtype.BF16])
+def test_verification_is_one_prepare_and_one_forward_and_rolls_back_exactly(models, kv, monkeypatch):
+    """A k+1-token step of two sequences is one ``prepare`` and one model forward over the cache
+    itself (no rounds, no stand-in cache); each row's logits are plain decoding's (bit for bit on
+    the fused decode path, whose rows are independent; to GEMM rounding on the eager one); keep()
+    leaves the very page bytes plain decoding would have."""
+    target, _ = models
+    eng = load_engine(EngineConfig(model_dir=target, kv_dtype=kv))
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    plain, ver = ModelRunner(eng, 64), ModelRunner(eng, 64)
+    for r in (plain, ver):
+        for s, p in enumerate(prompts):
+            r.prefill(s, p)
+    toks, ref = [[11], [12]], [[], []]
+    for _ in range(20):
+        rows = plain.step([0, 1], [[t[-1]] for t in toks])
+        for s in (0, 1):
+            ref[s].append(rows[s][-1])
+            toks[s].append(int(rows[s][-1].argmax()))
+    calls = []
+    for obj, name in ((ver.cache, "prepare"), (eng.model, "forward")):
+        inner = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, _f=inner, _n=name, **kw: calls.append((_n, a[2] if _n == "forward"
+                                                                                        else None)) or _f(*a, **kw))
+    exact = eng.model.step_fn is not None
+    g = [0, 0]
+    for k, wrong in [((5, 9), (2, None)), ((12, 3), (None, 0)), ((2, 1), (1, None))]:  # crosses pages, rejects
+        feeds = []
+        for s in (0, 1):
+            props = toks[s][g[s] + 1:g[s] + 1 + k[s]]
+            if wrong[s] is not None:
+                props[wrong[s]] = (props[wrong[s]] + 1) % 300
+            feeds.append([toks[s][g[s]], *props])
+        calls.clear()
+        rows = ver.step([0, 1], feeds)
+        assert calls == [("prepare", None), ("forward", ver.cache)]
+        for s in (0, 1):
+            kept = (wrong[s] if wrong[s] is not None else k[s]) + 1
+            for i in range(kept):
+                if exact:
+                    assert torch.equal(rows[s][i], ref[s][g[s] + i]), (k, s, i)
+                else:
+                    torch.testing.assert_close(rows[s][i], ref[s][g[s] + i], rtol=0, atol=1e-5)
+            ver.keep(s, kept)
+            g[s] += kept
+            assert ver.cache.length(s) == len(prompts[s]) + g[s]
+    for s in (0, 1):  # the plain run's cache, cut to the same length: the very same bytes
+        plain.cache.truncate(s, len(prompts[s]) + g[s])
+        for a, b in zip(_page_bytes(plain.cache, s), _page_bytes(ver.cache, s)):
+            assert torch.equal(a, b)
+    assert ver.cache.stats()["used"] == plain.cache.stats()["used"]
+    with pytest.raises(ValueError, match="cannot keep 0 of 3"):
+        ver.step([0], [[1, 2, 3]])
+        ver.keep(0, 0)
+
+
+# ---- speculation turns itself off --------------------------------------------------------------------
+
+def _req(mode=SpeculativeMode.NGRAM, k=4, max_tokens=500) -> Request:
+    return Request("r", 0, [1, 2, 3], SamplingParams(max_tokens=max_tokens), frozenset(), mode, k_max=k, k=k,
+                   generated=1)
+
+
+def _run(req: Request, cfg: spec.SpecConfig, accepted_per_step: int, steps: int) -> list[int]:
+    """Drive ``req`` through ``steps`` decode steps (as decode_step + the scheduler would count
+    them); returns the proposals made at each step."""
+    made = []
+    for _ in range(steps):
+        k = spec.num_proposals(req, 512)
+        made.append(k)
+        if k:
+            spec.record(req, k, min(k, accepted_per_step), cfg)
+        req.steps += 1
+    return made
+
+
+def test_low_acceptance_turns_speculation_off_and_a_draft_probes_again():
+    cfg = spec.SpecConfig(probe_steps=4, off_steps=10, ngram_cost=0.2, draft_cost=0.2, adaptive=False)
+    req = _req(SpeculativeMode.DRAFT)
+    made = _run(req, cfg, accepted_per_step=0, steps=20)
+    assert made[:4] == [4] * 4 and made[4:14] == [0] * 10 and made[14:18] == [4] * 4 and made[18:] == [0, 0]
+    assert req.turned_off == 2
+    assert spec.report(req)["kvwire.spec.turned_off"] == 2
+    # n-gram: no probing (the shadow lookup decides when to come back, see below)
+    assert _run(_req(), cfg, accepted_per_step=0, steps=40) == [4] * 4 + [0] * 36
+    # at break-even or above it stays on: 1 of 4 accepted beats 0.2 per proposed token
+    on = _req()
+    assert _run(on, cfg, accepted_per_step=1, steps=20) == [4] * 20 and on.turned_off == 0
+    # the draft's break-even is its own (drafting costs): 1 of 4 is too little there
+    drafted = _req(SpeculativeMode.DRAFT)
+    assert _run(drafted, dataclasses.replace(cfg, draft_cost=0.5), accepted_per_step=1, steps=6)[4:] == [0, 0]
+    # off_steps 0: off for good; auto_off False: never off
+    assert _run(_req(SpeculativeMode.DRAFT), dataclasses.replace(cfg, off_steps=0), 0, 40)[4:] == [0] * 36
+    assert _run(_req(), dataclasses.replace(cfg, auto_off=False), 0, 20) == [4] * 20
+
+
+def _generate(req: Request, tokens: list[int], cfg: spec.SpecConfig) -> list[int]:
+    """Plain steps emitting ``tokens`` one by one, as EngineCore.update applies them."""
+    made = []
+    for t in tokens:
+        made.append(spec.num_proposals(req, 512))
+        req.context.append(t)
+        req.generated += 1
+        req.steps += 1
+        spec.observe(req, cfg)
+    return made
+
+
+def test_ngram_comes_back_on_when_its_shadow_lookup_would_be_accepted():
+    cfg = spec.SpecConfig(probe_steps=3, ngram_cost=0.3, adaptive=True)
+    req = _req(k=4)
+    req.context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    _run(req, cfg, accepted_per_step=0, steps=4)  # 4 rejected verifications: off
+    assert req.turned_off == 1 and spec.num_proposals(req, 512) == 0 and req.k == 1
+    # new text, no earlier occurrence: nothing to score, it stays off
+    assert _generate(req, [20, 21, 22, 23, 24, 25], cfg) == [0] * 6 and req.turned_on == 0
+    # the text repeats itself: lookup proposes 3 4 5 6 after "2" and is right every time
+    _generate(req, [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2, 3, 4, 5], cfg)
+    assert req.turned_on == 1 and req.k == 4 and spec.num_proposals(req, 512) == 4
+    # and a lookup that is wrong keeps it off
+    other = _req(k=4)
+    other.context = [1, 2, 3, 1, 2, 3]
+    _run(other, cfg, accepted_per_step=0, steps=4)
+    _generate(other, [1, 9, 1, 8, 1, 7, 1, 6, 1, 5, 1, 4], cfg)
+    assert other.turned_on == 0 and spec.num_proposals(other, 512) == 0
+
+
+def test_turned_off_request_still_gives_plain_greedy_output(models):
+    """On a model that rejects n-gram proposals, speculation turns off (fewer proposals than with
+    auto_off disabled) and the output is plain greedy's either way."""
+    target, _ = models
+    prompts = [[40, 41, 42] * 9, list(range(5, 25)) * 2, [7, 8, 9, 10] * 6]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, speculative="ngram", num_speculative_tokens=4)
+    runs = {}
+    for auto in (True, False):
+        llm = LLM(target, num_pages=128, speculative_auto_off=auto)
+        # a high break-even (a random model's acceptance is below it); greedy requests speculate in a batch
+        llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, ngram_cost=0.9, greedy_max_batch=0)
+        reqs = [llm.core.requests[llm.add_request(p, params)] for p in prompts]
+        while llm.has_unfinished():
+            llm.step()
+        runs[auto] = reqs
+        assert llm.stats()["used"] == 0
+    plain = LLM(target, num_pages=128).generate(prompts, dataclasses.replace(params, speculative="none"))
+    assert sum(r.drafted for r in runs[True]) > 0
+    for on, off, ref in zip(runs[True], runs[False], plain):
+        assert on.output_ids == off.output_ids == ref.token_ids
+    assert sum(r.turned_off for r in runs[True]) > 0 and sum(r.turned_off for r in runs[False]) == 0
+    assert sum(r.drafted for r in runs[True]) < sum(r.drafted for r in runs[False])
+
+
+# ---- cancellation in the middle of a verification step -------------------------------------------------
+
+@pytest.mark.parametrize("mode", [pb.SamplingParams.SPECULATIVE_MODE_DRAFT, pb.SamplingParams.SPECULATIVE_MODE_NGRAM])
+async def test_cancel_during_a_speculative_step_frees_target_and_draft_pages(models, mode):
+    target, draft = models
+    async with Harness(EngineConfig(model_dir=target, num_pages=128),
+                       draft_cfg=EngineConfig(model_dir=draft, kv_dtype=KVDtype.BF16),
+                       spec_config=spec.SpecConfig(auto_off=False)) as h:
+        runner = h.engine.core.runner
+        inner, inside, release = runner.step, threading.Event(), threading.Event()
+
+        def step(seqs, tokens):  # hold the first verification step until the RPC is cancelled
+            if any(len(t) > 1 for t in tokens) and not inside.is_set():
+                inside.set()
+                release.wait(10)
+            return inner(seqs, tokens)
+        runner.step = step
+        call = h.decode.GenerateTokens(pb.GenerateTokensRequest(
+            prompt_token_ids=[40, 41, 42] * 12, sampling=pb.SamplingParams(
+                max_tokens=300, ignore_eos=True, speculative=mode, num_speculative_tokens=4)))
+        await call.read()
+        assert await asyncio.to_thread(inside.wait, 10)  # the verification step is running now
+        if mode == pb.SamplingParams.SPECULATIVE_MODE_DRAFT:
+            assert runner.draft_cache.stats()["used"] > 0
+        call.cancel()
+        await asyncio.sleep(0.2)
+        release.set()
+        assert await h.pools_back_to(64, 128)
+        assert runner.cache.stats()["used"] == 0 and runner.draft_cache.stats()["used"] == 0

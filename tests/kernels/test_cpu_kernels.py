@@ -1,0 +1,147 @@
+"""The CPU decode kernels (kernels/cpu) against the PyTorch references they replace.
+
+KV writes must be bit-identical to ``kernels.reference.write_kv`` (pages go on the wire and into
+checksums); matmuls and attention agree within float32 round-off; and every row's result must not
+depend on how many rows share the call (speculative verification relies on it).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu, reference
+from kvwire.kv.pool import RELEASED
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=cpu.unavailable_reason or "")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,n_in,n_out", [(1, 576, 960), (3, 64, 37), (7, 1536, 576), (16, 40, 13)])
+def test_linear_matches_torch(dtype, rows, n_in, n_out):
+    g = torch.Generator().manual_seed(rows * n_in + n_out)
+    x = torch.randn(rows, n_in, generator=g)
+    if dtype is torch.int8:
+        w = torch.randint(-127, 128, (n_out, n_in), generator=g, dtype=torch.int8)
+    else:
+        w = torch.randn(n_out, n_in, generator=g).to(dtype)
+    scale, bias, res = torch.rand(n_out, generator=g), torch.randn(n_out, generator=g), torch.randn(rows, n_out, generator=g)
+    y = cpu.linear(x, w, scale, bias, res)
+    ref = res + (F.linear(x.double(), w.double()) * scale.double() + bias.double()).float()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * n_in ** 0.5)
+    plain = cpu.linear(x, w)
+    torch.testing.assert_close(plain, F.linear(x.double(), w.double()).float(), rtol=1e-4, atol=1e-4 * n_in ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_linear_rows_independent_of_batch_and_threads(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 576, generator=g)
+    w = (torch.randint(-127, 128, (1000, 576), generator=g, dtype=torch.int8) if dtype is torch.int8
+         else torch.randn(1000, 576, generator=g).to(dtype))
+    full = cpu.linear(x, w, threads=2)
+    for i in range(13):
+        assert torch.equal(cpu.linear(x[i:i + 1].clone(), w, threads=1), full[i:i + 1])
+    assert torch.equal(cpu.linear(x[3:8].clone(), w, threads=2), full[3:8])
+
+
+def test_rms_norm_and_silu_mul():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 576, generator=g), torch.rand(576, generator=g)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
+    gu = torch.randn(4, 2 * 96, generator=g)
+    torch.testing.assert_close(cpu.silu_mul(gu), F.silu(gu[:, :96]) * gu[:, 96:])
+
+
+def test_rope_split_matches_model():
+    from kvwire.model.model import apply_rope
+    g = torch.Generator().manual_seed(2)
+    h, hkv, d, n = 9, 3, 64, 4
+    qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g)
+    ang = torch.rand(n, d // 2, generator=g) * 10
+    emb = torch.cat((ang, ang), -1)
+    cos, sin = emb.cos(), emb.sin()
+    q, k, v = cpu.rope_split(qkv, h, hkv, d, cos, sin)
+    rq, rk, rv = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    torch.testing.assert_close(q, apply_rope(rq.reshape(n, h, d), cos[:, None], sin[:, None]))
+    torch.testing.assert_close(k, apply_rope(rk.reshape(n, hkv, d), cos[:, None], sin[:, None]))
+    assert torch.equal(v, rv.reshape(n, hkv, d))
+
+
+def _pages(fp8: bool, num_pages=12, hkv=3, bs=16, d=64):
+    dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    k, v = torch.zeros(num_pages, hkv, bs, d, dtype=dt), torch.zeros(num_pages, hkv, bs, d, dtype=dt)
+    ks = vs = None
+    if fp8:
+        ks, vs = torch.zeros(num_pages, hkv, bs, dtype=torch.bfloat16), torch.zeros(num_pages, hkv, bs, dtype=torch.bfloat16)
+    return k, v, ks, vs
+
+
+def _raw(t):
+    return None if t is None else t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_write_kv_bit_exact(fp8):
+    g = torch.Generator().manual_seed(3)
+    n = 40
+    k_new = torch.randn(n, 3, 64, generator=g) * torch.logspace(-8, 3, n)[:, None, None]
+    v_new = torch.randn(n, 3, 64, generator=g)
+    k_new[0] = 0.0  # an all-zero token: the scale floor
+    k_new[1, 0, :5] = torch.tensor([1e-30, -3e-40, 448.0, 1e6, -2.5e-3])  # subnormals, huge, ties
+    slots = torch.randperm(12 * 16, generator=g)[:n]
+    ours, ref = _pages(fp8), _pages(fp8)
+    cpu.write_kv(*ours, k_new, v_new, slots)
+    reference.write_kv(*ref, k_new, v_new, slots)
+    for a, b in zip(ours, ref):
+        if a is not None:
+            assert torch.equal(_raw(a), _raw(b))
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_matches_reference(fp8, window):
+    g = torch.Generator().manual_seed(4)
+    k, v, ks, vs = _pages(fp8)
+    slots = torch.arange(12 * 16)
+    reference.write_kv(k, v, ks, vs, torch.randn(192, 3, 64, generator=g) * 2, torch.randn(192, 3, 64, generator=g), slots)
+    order = torch.randperm(12, generator=g).tolist()
+    tables = [order[:6], order[6:], order[:6]]
+    ctx = [90, 33, 7]
+    q = torch.randn(3, 9, 64, generator=g)
+    bt = torch.tensor(tables, dtype=torch.int32)
+    if window is not None:
+        bt[0, 0] = RELEASED  # behind the window of row 0 (positions 0..15, row 0 sees 70..89)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)
+    ours = cpu.paged_attention(q, k, v, ks, vs, bt, ctx_t, window, 0.125)
+    ref = reference.paged_decode_attention(q, k, v, ks, vs, bt, ctx_t, window, 0.125)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    for i in range(3):  # each row alone gives the same bits
+        alone = cpu.paged_attention(q[i:i + 1].clone(), k, v, ks, vs, bt[i:i + 1].clone(), ctx_t[i:i + 1].clone(),
+                                    window, 0.125, threads=1)
+        assert torch.equal(alone, ours[i:i + 1])
+
+
+def _probe(env: dict) -> str:
+    import os
+    import subprocess
+    import sys
+    code = "from kernels import cpu; lib = cpu.library(); print(lib._name if lib else 'None', cpu.unavailable_reason)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, **env}).stdout.strip()
+
+
+def test_prebuilt_binaries_serve_where_there_is_no_compiler(tmp_path):
+    built = cpu.prebuild(tmp_path)
+    assert {p.name.split("_")[2] for p in built} == set(cpu.LEVELS)
+    out = _probe({"CC": str(tmp_path / "no-such-cc"), "KVWIRE_KERNEL_PREBUILT": str(tmp_path),
+                  "KVWIRE_KERNEL_CACHE": str(tmp_path / "cache")})
+    flags = set(cpu._cpu_flags().split())
+    best = next(level for level, need in cpu.LEVELS.items() if flags.issuperset(need))
+    assert out.startswith(str(cpu.prebuilt_path(best, tmp_path))), out
+
+
+def test_no_compiler_and_no_prebuilt_falls_back_with_a_reason(tmp_path):
+    out = _probe({"CC": str(tmp_path / "no-such-cc"), "KVWIRE_KERNEL_PREBUILT": str(tmp_path),
+                  "KVWIRE_KERNEL_CACHE": str(tmp_path / "cache")})
+    assert out.startswith("None CPU kernels unavailable:") and "no-such-cc" in out

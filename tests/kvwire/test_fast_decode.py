@@ -1,0 +1,83 @@
+"""The fused CPU decode step (kvwire.model.fast_decode) against the model's own PyTorch forward.
+
+Both paths run on one loaded model and two caches filled by the same prompt (prompts always take
+the PyTorch path); then decode and verification steps go through each. The fused path must give
+the same logits within the activations' rounding (the PyTorch int8/bf16 paths round activations
+to bf16, the fused one keeps fp32), and each row must be bit-identical whatever it was batched
+with: one token at a time, k + 1 tokens of a verification, or beside other sequences.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu
+from kvwire.config import KVDtype, QuantMode
+from kvwire.runtime import EngineConfig, load_engine
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "kvwire-tiny"
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=cpu.unavailable_reason or "")
+PROMPTS = [[5, 17, 300, 41, 9, 77, 1000, 12, 3, 64, 90, 2048, 7], [8, 8, 15, 16, 23, 42, 4000], list(range(100, 160))]
+
+
+def runtime(weights: str, kv: str):
+    rt = load_engine(EngineConfig(MODEL, weights=QuantMode(weights), kv_dtype=KVDtype(kv), num_pages=64))
+    assert rt.model.step_fn is not None, "the fused path should take this model"
+    return rt
+
+
+def filled(rt):
+    cache = rt.new_cache()
+    for i, p in enumerate(PROMPTS):
+        rt.model(torch.tensor(p), cache.prepare([i], [len(p)]), cache)
+    return cache
+
+
+def step(rt, cache, seqs, tokens, fused: bool):
+    saved = rt.model.step_fn
+    rt.model.step_fn = saved if fused else None
+    try:
+        positions = cache.prepare(seqs, [len(t) for t in tokens])
+        return rt.model(torch.tensor([t for ts in tokens for t in ts]), positions, cache)
+    finally:
+        rt.model.step_fn = saved
+
+
+@pytest.mark.parametrize("weights,kv,tol", [("none", "fp8_e4m3", 1e-3), ("none", "bf16", 1e-3), ("int8", "fp8_e4m3", 0.05),
+                                            ("bf16", "bf16", 0.05), ("fp8", "fp8_e4m3", 0.05)])
+def test_fused_step_matches_pytorch(weights, kv, tol):
+    rt = runtime(weights, kv)
+    ours, ref = filled(rt), filled(rt)
+    feed = [[11], [12], [13]]
+    for _ in range(4):
+        a = step(rt, ours, [0, 1, 2], feed, fused=True)
+        b = step(rt, ref, [0, 1, 2], feed, fused=False)
+        assert (a - b).abs().max() <= tol * b.abs().max(), f"{weights}/{kv}: fused logits diverge"
+        feed = [[int(t)] for t in b.argmax(-1)]
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bf16"])
+def test_rows_do_not_depend_on_their_batch(kv):
+    rt = runtime("int8", kv)
+    alone, together = filled(rt), filled(rt)
+    proposals = [40, 41, 42, 43]
+    one_by_one = torch.cat([step(rt, alone, [0], [[t]], fused=True) for t in proposals])  # plain decoding
+    others = step(rt, alone, [1, 2], [[5], [6]], fused=True)
+    verify = step(rt, together, [1, 0, 2], [[5], proposals, [6]], fused=True)  # k + 1 rows of seq 0, in a batch
+    assert torch.equal(verify[1:5], one_by_one)
+    assert torch.equal(verify[[0, 5]], others)
+    for layer in range(rt.model_config.num_layers):  # and the pages hold the same bytes
+        for a, b in zip(alone.layer_tensors(layer), together.layer_tensors(layer)):
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_disabled_by_environment(monkeypatch):
+    import subprocess
+    import sys
+    code = "from kernels import cpu; print(cpu.available(), cpu.unavailable_reason)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "KVWIRE_CPU_KERNELS": "0"}).stdout
+    assert out.startswith("False disabled by KVWIRE_CPU_KERNELS=0")
