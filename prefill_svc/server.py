@@ -107,7 +107,10 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
                         chunk = dataclasses.replace(chunk, first_page=chunk.first_page + skip)
                         sent_bytes += chunk.nbytes
                         yield pb.PrefillResponse(chunk=conv.chunk_to_pb(chunk))
-                logits = await fut
+                # Shielded: a cancel arriving here would otherwise cancel ``fut`` itself, which marks it
+                # cancelled while the worker thread still finishes the forward, and its pages
+                # (owned by this stream on success) would never be released.
+                logits = await asyncio.shield(fut)
                 first = sample(logits, params, step=0)
                 span.set_attributes({"kvwire.kv.bytes_sent": sent_bytes, "kvwire.first_token": first,
                                      "kvwire.kv.pages_skipped": skip})
