@@ -43,6 +43,14 @@ from kvwire.runtime import EngineConfig, load_engine  # noqa: E402
 from kvwire.tokenizer import ChatMessage  # noqa: E402
 from tools import draft_data  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shown(path) -> str:
+    """A path as the report records it: relative to the repository when inside it (no machine paths)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
 TARGET = "smollm2-135m-instruct"
 DRAFT = draft_data.REPO / "models" / "smollm2-draft"
 
@@ -150,7 +158,7 @@ def main():
     draft_model = drafts["draft"].model
     tok = llm.tokenizer
     modes = ["none", *drafts]
-    report = {"draft": str(args.draft), "draft_weights": args.draft_weights, "k": args.k, "max_tokens": args.max_tokens,
+    report = {"draft": _shown(args.draft), "draft_weights": args.draft_weights, "k": args.k, "max_tokens": args.max_tokens,
               "auto_off": args.auto_off, "fused_decode": {m: rt.model.step_fn is not None for m, rt in drafts.items()}, "sets": {}}
     for name, prompts in prompt_sets(args.n).items():
         tot = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0} for m in modes}

@@ -33,9 +33,6 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#ifndef KVW_PREFETCH
-#define KVW_PREFETCH 0  /* bytes ahead to prefetch weight rows (0: leave it to the hardware) */
-#endif
 
 ALWAYS_INLINE f32x16 load_f32(const float *p) { f32x16 v; memcpy(&v, p, 64); return v; }
 ALWAYS_INLINE void store_f32(float *p, f32x16 v) { memcpy(p, &v, 64); }
@@ -119,10 +116,6 @@ ALWAYS_INLINE void linear_tile(const float *x, int64_t in, const void *w, int64_
     const size_t ws = w_size(wt);
     int64_t i = 0;
     for (; i + 32 <= in; i += 32) {  /* chunk i into accumulator 0, chunk i + 16 into accumulator 1 */
-#if KVW_PREFETCH
-        if (wt != WT_F32 || NR == 1)
-            for (int o = 0; o < NO; o++) __builtin_prefetch(wb + ((size_t)o * in + i) * ws + KVW_PREFETCH, 0, 0);
-#endif
         for (int half = 0; half < 2; half++) {
             f32x16 wv[8];
             for (int o = 0; o < NO; o++) wv[o] = load_w(wb + (size_t)o * in * ws, i + 16 * half, wt);

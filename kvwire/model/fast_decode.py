@@ -59,7 +59,7 @@ class FastDecode:
         self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.vocab = head.out_features
-        self._head_fn = getattr(lib, cpu.LINEAR_FN[next(d for d, c in cpu.WEIGHT_TYPES.items() if c == head.wt)])
+        self._head_fn = getattr(lib, cpu.LINEAR_FN[model.lm_head.weight.dtype])
 
     @classmethod
     def build(cls, model) -> "FastDecode | None":
