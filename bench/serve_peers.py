@@ -2,7 +2,7 @@
 
     python -m bench serve-vs-vllm [--model smollm2-135m-instruct] [--weights int8] [--kv-dtype fp8_e4m3] \
         [--num-prompts 16] [--concurrency 1,4,16] [--input-len 128] [--output-len 32] \
-        [--vllm-venv /root/vllm-venv] [--vllm-dtype bfloat16] [--vllm-kv-gib 1] [--servers kvwire,vllm]
+        [--vllm-venv ~/vllm-venv] [--vllm-dtype bfloat16] [--vllm-kv-gib 1] [--servers kvwire,vllm]
 
 The same weights for both: ``bench.hf_tokenizer.hf_model_dir`` exports the weights our loader
 produced (and the GGUF's tokenizer) as an HF directory, which vLLM serves; we serve the model
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench import common, machine
 
-DEFAULT_VENV = Path("/root/vllm-venv")
+DEFAULT_VENV = Path.home() / "vllm-venv"
 # vllm bench serve's result keys -> ours (ms, tok/s).
 METRICS = ("completed", "failed", "total_output_tokens", "duration", "request_throughput", "output_throughput",
            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")

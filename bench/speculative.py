@@ -11,10 +11,11 @@ would ship) and is not timed; the decode steps after it are (drafting included).
 and free chat. Greedy, stopping at EOS or ``--max-tokens``; every mode must produce plain greedy's
 tokens (checked and reported). Each mode runs on the same prompts interleaved, so machine noise
 hits all alike; speedups are against plain decode of the same run. Batch b steps b requests
-together (throughput). Acceptance rate = accepted / proposed tokens; tokens per step = decode
-tokens / decode steps, per request; turned_off / turned_on = requests whose speculation turned
-itself off / back on (SpecConfig). Greedy requests speculate only in steps of at most
-``--greedy-max-batch`` requests (SpecConfig.greedy_max_batch; 0 = any, to measure larger batches).
+together (throughput). Acceptance rate = accepted / proposed tokens; proposed / accepted per
+spec step: per verification step; tokens per step = decode tokens / decode steps, per request;
+turned_off / turned_on = requests whose speculation turned itself off / back on (SpecConfig).
+Greedy requests speculate only in steps of at most ``--greedy-max-batch`` requests
+(SpecConfig.greedy_max_batch; 0 = any, to measure larger batches).
 
 Peer: transformers' prompt lookup (``prompt_lookup_num_tokens``) and assisted generation (with
 the draft) on the same prompts and the same weights (float32; a GGUF is exported to an HF
@@ -80,6 +81,7 @@ class Row:
                 "speedup": round(tok_s / (base.tokens / base.seconds), 2) if base else 1.0,
                 "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else None,
                 "accepted_per_spec_step": round(self.accepted / self.spec_steps, 2) if self.spec_steps else None,
+                "proposed_per_spec_step": round(self.drafted / self.spec_steps, 2) if self.spec_steps else None,
                 "tokens_per_step": round(self.tokens / self.req_steps, 2) if self.req_steps else None,
                 "turned_off": f"{self.turned_off}/{self.requests}", "turned_on": f"{self.turned_on}/{self.requests}",
                 "ms_per_step": round(1e3 * self.seconds / self.steps, 2) if self.steps else None,
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=6, help="prompts per task")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1, help="run every group this many times (less noise)")
     ap.add_argument("--context", type=int, default=400, help="grounded: tokens of pasted document at most")
     ap.add_argument("--peers", default="transformers", help="'transformers' or '' (none)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads, ours and the peer's")
@@ -208,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {(t, b, m): Row(t, b, m) for t in prompts for b in batches for m in modes}
     for m in modes:  # one untimed warm-up decode per mode
         decode(llm, timers, Row("warm", 1, m), [prompts[next(iter(prompts))][0]], m, k_of[m], 8)
-    plan = [(t, b, group) for t in prompts for b in batches for group in batches_of(prompts[t], b)]
+    plan = [(t, b, group) for _ in range(args.repeats) for t in prompts for b in batches
+            for group in batches_of(prompts[t], b)]
     with tqdm(total=len(plan) * len(modes), desc="decoding", unit="run") as bar:
         for t, b, group in plan:
             for m in modes:  # modes interleaved per group: machine noise hits all alike
@@ -216,6 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
                 bar.update(1)
     results = [rows[t, b, m].summary(None if m == "none" else rows[t, b, "none"])
                for t in prompts for b in batches for m in modes]
+    # what 1, 2, .. proposals of one request added to a step, in its plain steps, as the engine measured (StepCost)
+    cost = llm.core.runner.step_cost
+    row_cost = {b: [None if (c := cost.extra(b, i)) is None else round(c, 2) for i in range(1, 9)] for b in batches}
     peer = []
     if args.peers == "transformers":
         try:
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
               "draft": str(draft) if draft else None, "weights": args.weights, "kv_dtype": args.kv_dtype,
               "draft_kv_dtype": args.draft_kv_dtype, "k_draft": args.k, "k_ngram": args.ngram_k,
               "adaptive": args.adaptive, "auto_off": args.auto_off, "greedy_max_batch": args.greedy_max_batch,
-              "max_tokens": args.max_tokens,
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "measured_row_cost": row_cost,
               "threads": args.threads, "prompts": {t: len(ps) for t, ps in prompts.items()},
               "prompt_tokens_mean": {t: round(sum(map(len, ps)) / len(ps)) for t, ps in prompts.items()},
               "torch": torch.__version__, "results": results, "transformers": peer}
@@ -238,14 +245,17 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def markdown(report: dict) -> str:
-    cols = ["task", "batch", "mode", "tok_s", "speedup", "acceptance_rate", "tokens_per_step", "turned_off",
+    cols = ["task", "batch", "mode", "tok_s", "speedup", "acceptance_rate", "proposed_per_spec_step",
+            "accepted_per_spec_step", "tokens_per_step", "turned_off",
             "turned_on", "ms_per_step", "draft_ms_per_step", "target_ms_per_step", "identical_to_none"]
     lines = [f"Model {report['model']}, {report['weights']} weights, KV {report['kv_dtype']}, greedy, up to "
-             f"{report['max_tokens']} tokens, k ngram {report['k_ngram']} / draft {report['k_draft']}, adaptive "
+             f"{report['max_tokens']} tokens, {report['repeats']} repeat(s), k ngram {report['k_ngram']} / draft "
+             f"{report['k_draft']}, adaptive "
              f"{report['adaptive']}, auto-off {report['auto_off']}, greedy max batch {report['greedy_max_batch']}, "
              f"{report['threads']} thread(s); prompts per task "
              f"{report['prompts']} (mean prompt tokens {report['prompt_tokens_mean']}). Speedup: decode tokens/s "
-             "against plain decode in the same run; tokens_per_step per request.", "",
+             "against plain decode in the same run; tokens_per_step per request. 1, 2, .. 8 proposals added "
+             f"{report['measured_row_cost']} plain steps to a step (by batch size, as the engine measured them).", "",
              common.table(cols, [[r[c] for c in cols] for r in report["results"]])]
     peer = report.get("transformers") or []
     if peer and "error" in peer[0]:

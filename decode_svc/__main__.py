@@ -165,7 +165,7 @@ def main() -> None:
     sp.add_argument("--draft-kv-dtype", choices=[d.value for d in KVDtype], default=KVDtype.BF16.value,
                     help="draft KV page dtype (bf16: the draft's writes skip fp8 scale upkeep; its pool has "
                          "--num-pages pages)")
-    sp.add_argument("--ngram-max", type=int, default=3, help="n-gram lookup: longest suffix tried")
+    sp.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max, help="n-gram lookup: longest suffix tried")
     sp.add_argument("--ngram-min", type=int, default=1, help="n-gram lookup: shortest suffix tried")
     args = ap.parse_args()
     if not 1 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

@@ -33,9 +33,12 @@ SOURCE = Path(__file__).resolve().parent / "cpu" / "kvwire_cpu.c"
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 PREBUILT = Path(__file__).resolve().parent / "cpu" / "prebuilt"
 # Portable ISA levels for prebuilt binaries, best first, with the /proc/cpuinfo flags each needs.
-LEVELS = {"x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"),
+# x86-64-v4-vnni adds vpdpbusd (the int8 x int8 linear, kvw_linear_i8a8) to x86-64-v4.
+_V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2")
+LEVELS = {"x86-64-v4-vnni": (_V4 + ("avx512_vnni",)), "x86-64-v4": _V4,
           "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
-ABI_VERSION = 2
+MARCH = {"x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}  # compiler flags, where not -march=LEVEL
+ABI_VERSION = 3
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -48,10 +51,13 @@ SIGNATURES = {
     "kvw_write_kv": [P, P, I64, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_rope_split": [P, I64, I64, I64, I64, P, P, P, P, P],
     "kvw_paged_attention": [P, I64, I64, I64, I64, P, P, P, P, I64, P, I64, P, I64, F32, P, I32, I32],
+    "kvw_linear_i8a8": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_quantize_act8": [P, I64, I64, P, P, P],
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
 }
 WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C file's WT_* codes
+WT_I8A8 = 3  # int8 weights x int8 activations (blocks of 32), AVX512-VNNI builds only
 
 
 class LinearDesc(ctypes.Structure):
@@ -81,12 +87,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVWIRE_KERNEL_CACHE", Path.home() / ".cache" / "kvwire" / "kernels"))
 
 
-def _compile(cc: str, march: str, out: Path) -> None:
+def _compile(cc: str, level: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: processes starting together never load a half file.
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        proc = subprocess.run([cc, *FLAGS, f"-march={march}", "-o", str(part), str(SOURCE), "-lm"],
+        proc = subprocess.run([cc, *FLAGS, *MARCH.get(level, [f"-march={level}"]), "-o", str(part), str(SOURCE), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
@@ -155,6 +161,7 @@ def library() -> ctypes.CDLL | None:
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
+        lib.kvw_has_vnni.argtypes, lib.kvw_has_vnni.restype = [], ctypes.c_int
         return lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         unavailable_reason = f"CPU kernels unavailable: {e}"
@@ -165,6 +172,16 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def int8_activations() -> bool:
+    """Whether int8 layers in the fused decode step take int8 activations (blocks of 32, as
+    llama.cpp's q8_0; ``kvw_linear_i8a8``): where the library was built with AVX512-VNNI, unless
+    ``KVWIRE_INT8_ACTIVATIONS=0`` keeps them fp32 (``kvw_linear_i8``). Read from the CPU's flags and
+    the environment, never from timing, so every process on a machine computes the same numbers."""
+    lib = library()
+    off = os.environ.get("KVWIRE_INT8_ACTIVATIONS", "auto").lower() in ("0", "off", "false", "no")
+    return lib is not None and bool(lib.kvw_has_vnni()) and not off
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -196,6 +213,34 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
     getattr(library(), LINEAR_FN[w.dtype])(x.data_ptr(), rows, n_in, w.data_ptr(), n_out, y.data_ptr(),
                                            _ptr(scale), _ptr(bias), _ptr(residual),
                                            threads or torch.get_num_threads())
+    return y
+
+
+def quantize_act8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, in] fp32 (in % 64 == 0) -> what kvw_linear_i8a8 reads: q [rows, in] int8, lane
+    scales s [rows, in / 4] fp32 (each block's scale on its 8 lanes) and k [rows] fp32, the
+    128 * sum_b s_b * sum(q_b) that the kernel's unsigned weights add (VNNI builds)."""
+    _check(x, torch.float32, "x")
+    rows, n = x.shape
+    q, s, k = torch.empty(rows, n, dtype=torch.int8), torch.empty(rows, n // 4), torch.empty(rows)
+    library().kvw_quantize_act8(x.data_ptr(), rows, n, q.data_ptr(), s.data_ptr(), k.data_ptr())
+    return q, s, k
+
+
+def linear_i8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """``kernels.reference.linear_i8a8`` (within fp32 round-off): x [rows, in] fp32 quantized per
+    block of 32, times int8 w [out, in] with per-row scale [out] -> [rows, out] fp32 (VNNI builds)."""
+    _check(x, torch.float32, "x")
+    _check(w, torch.int8, "w")
+    if x.shape[1] % 64 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"linear_i8a8: in_features must match and be a multiple of 64, got {x.shape[1]}, {w.shape[1]}")
+    for t, name in ((scale, "scale"), (bias, "bias"), (residual, "residual")):
+        if t is not None:
+            _check(t, torch.float32, name)
+    y = torch.empty(x.shape[0], w.shape[0])
+    library().kvw_linear_i8a8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(),
+                              scale.data_ptr(), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())
     return y
 
 

@@ -159,3 +159,32 @@ def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1), v)  # [S, Hkv, ratio, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+ACT8_BLOCK = 32  # activation values per int8 scale in linear_i8a8 (llama.cpp's q8_0 block)
+
+
+def quantize_act8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] fp32 (in % 32 == 0) -> (q [rows, in] int8, s [rows, in / 32] fp32): per block of
+    32, s = amax / 127 and q = round-to-nearest-even(x * (127 / amax)); a zero block gives 0s."""
+    rows, n = x.shape
+    xb = x.float().reshape(rows, n // ACT8_BLOCK, ACT8_BLOCK)
+    amax = xb.abs().amax(dim=2)  # [rows, blocks]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).to(torch.int8).reshape(rows, n)
+    return q, amax / 127.0
+
+
+def linear_i8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Int8 weights [out, in] (per-row scale [out]) x int8 activations (``quantize_act8``):
+    y[r, o] = scale[o] * sum_b s[r, b] * (q[r, b] . w[o, b]), the dot products exact -> [rows, out]."""
+    q, s = quantize_act8(x)
+    rows, n = q.shape
+    blocks = n // ACT8_BLOCK
+    qb = q.reshape(rows, blocks, ACT8_BLOCK).transpose(0, 1).double()  # [blocks, rows, 32]
+    wb = w.reshape(-1, blocks, ACT8_BLOCK).transpose(0, 1).double()  # [blocks, out, 32]
+    dots = torch.bmm(qb, wb.transpose(1, 2))  # [blocks, rows, out], exact integers in float64
+    y = (dots * s.double().T[..., None]).sum(0) * scale.double()  # [rows, out]
+    y = y.float()
+    return y if bias is None else y + bias

@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from kvwire.engine.prefix_cache import page_hashes, reusable_pages
 from kvwire.errors import FailedPrecondition, InvalidRequest
-from kvwire.kv.wire import encode_layer
+from kvwire.kv.wire import KVChunk, encode_layer
 from kvwire.sampler import sample
 from kvwire.validation import RequestLimits, validate_request
 from prefill_svc.runner import PrefillRunner
@@ -70,14 +70,17 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
             num_tokens=len(tokens), num_pages=spec.pages_for(len(tokens)), first_page=skip))
 
         loop = asyncio.get_running_loop()
-        layers: asyncio.Queue[int] = asyncio.Queue()
+        layers: asyncio.Queue[list[KVChunk] | int] = asyncio.Queue()
         abort = threading.Event()
+        seq = self.runner.new_sequence()
 
-        def on_layer(layer: int) -> None:  # worker thread
-            loop.call_soon_threadsafe(layers.put_nowait, layer)
+        def on_layer(layer: int) -> None:  # worker thread: the layer's pages are copied and encoded here,
+            # between layers of the forward, so the event loop only builds and sends the messages
+            chunks = [dataclasses.replace(c, first_page=c.first_page + skip)
+                      for c in encode_layer(spec, layer, *self.runner.layer_pages(seq, layer, skip))]
+            loop.call_soon_threadsafe(layers.put_nowait, chunks)
 
         self.active_streams += 1
-        seq = self.runner.new_sequence()
         fut = loop.run_in_executor(self.executor, self.runner.forward, seq, tokens, on_layer, abort)
         fut.add_done_callback(lambda _: loop.call_soon_threadsafe(layers.put_nowait, _DONE))
         ended = False
@@ -100,18 +103,17 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
             try:
                 sent_bytes = 0
                 for _ in range(spec.num_layers):
-                    layer = await layers.get()
-                    if layer == _DONE:
+                    chunks = await layers.get()
+                    if chunks == _DONE:
                         break  # the forward failed before this layer; fut carries the error
-                    for chunk in encode_layer(spec, layer, *self.runner.layer_pages(seq, layer, skip)):
-                        chunk = dataclasses.replace(chunk, first_page=chunk.first_page + skip)
+                    for chunk in chunks:
                         sent_bytes += chunk.nbytes
                         yield pb.PrefillResponse(chunk=conv.chunk_to_pb(chunk))
                 # Shielded: a cancel arriving here would otherwise cancel ``fut`` itself, which marks it
                 # cancelled while the worker thread still finishes the forward, and its pages
                 # (owned by this stream on success) would never be released.
                 logits = await asyncio.shield(fut)
-                first = sample(logits, params, step=0)
+                first = await loop.run_in_executor(self.executor, sample, logits, params, 0)  # tensor work: there
                 span.set_attributes({"kvwire.kv.bytes_sent": sent_bytes, "kvwire.first_token": first,
                                      "kvwire.kv.pages_skipped": skip})
                 yield pb.PrefillResponse(done=pb.PrefillDone(first_token=first, prompt_tokens=len(tokens)))

@@ -140,7 +140,7 @@ def main():
     ap.add_argument("--n", type=int, default=8, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--draft-weights", default="int8", help="draft weight mode, where LLM takes one")
+    ap.add_argument("--draft-weights", default="int8", help="draft weight mode (LLM's draft_weights)")
     ap.add_argument("--reduced-head", action="store_true")
     ap.add_argument("--auto-off", action="store_true", help="let the engine turn speculation off per request "
                     "on low acceptance (off by default here: this measures the draft itself)")
@@ -148,11 +148,11 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(TARGET, weights="int8", kv_dtype="fp8_e4m3", num_pages=1024, draft_model=args.draft,
-              speculative_auto_off=args.auto_off)
+              draft_weights=args.draft_weights, speculative_auto_off=args.auto_off)
     torch.set_num_threads(args.threads)
     reader = kvgguf.open_gguf(model_source(args.draft).gguf)
     head = torch.tensor(kvgguf.field(reader, "kvwire.draft.head_vocab"), dtype=torch.long)
-    drafts = {"draft": load_draft(args.draft, args.draft_weights, None, 16, 1024)}
+    drafts = {"draft": llm.core.runner.draft}  # loaded by LLM, quantized as --draft-weights says
     if args.reduced_head:
         drafts["draft_reduced_head"] = load_draft(args.draft, args.draft_weights, head, 16, 1024)
     draft_model = drafts["draft"].model

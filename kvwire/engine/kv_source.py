@@ -32,7 +32,7 @@ from opentelemetry import trace
 from kvwire import errors, metrics
 from kvwire.engine.request import Request
 from kvwire.engine.runner import ModelRunner
-from kvwire.kv.wire import TransferTracker, WireError, decode_chunk
+from kvwire.kv.wire import KVChunk, TransferTracker, WireError, decode_chunk
 from kvwire.sampler import sample
 from kvwire.sampling_params import KVSourceChoice
 
@@ -66,6 +66,56 @@ class LocalPrefill:
 
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+IMPORT_BATCH_BYTES = 8 << 20  # verified KV held before it is copied into the pages
+
+
+class _Imports:
+    """The KV chunks of one pull on their way into the sequence's pages, in as few runner calls as
+    possible: ``add`` and ``take`` on the event loop (no tensor work there), ``begin``, ``copy``
+    and ``finish`` on the runner's thread, where each chunk is verified whole (place, sizes,
+    CRC-32, finite numbers; ``WireError`` otherwise) before any of the call's chunks is imported."""
+
+    def __init__(self, runner: ModelRunner, seq: int, num_tokens: int, cached_pages: int):
+        self.runner, self.seq, self.num_tokens, self.cached_pages = runner, seq, num_tokens, cached_pages
+        self.spec = runner.runtime.spec
+        self.num_pages = self.spec.pages_for(num_tokens)
+        self.tracker: TransferTracker | None = None  # set at the header
+        self.pending: list[KVChunk] = []
+        self.pending_bytes, self.calls = 0, 0
+        self.pages: list[int] = []
+
+    def add(self, chunk: KVChunk) -> int:
+        """Hold ``chunk``; returns the bytes now held."""
+        self.pending.append(chunk)
+        self.pending_bytes += chunk.nbytes
+        return self.pending_bytes
+
+    def take(self) -> list[KVChunk]:
+        chunks, self.pending, self.pending_bytes = self.pending, [], 0
+        self.calls += 1
+        return chunks
+
+    def begin(self) -> None:
+        """Allocate the pages the scheduler reserved for the rest of the prompt."""
+        self.pages = self.runner.import_begin(self.seq, self.num_tokens)
+
+    def copy(self, chunks: list[KVChunk]) -> None:
+        decoded = []
+        for chunk in chunks:
+            decoded.append(decode_chunk(self.spec, chunk, self.num_pages))
+            self.tracker.record(chunk)
+        for d in decoded:
+            self.runner.import_chunk(self.pages, d)
+
+    def finish(self, chunks: list[KVChunk], prompt: list[int]) -> None:
+        """The last chunks; then, if every page arrived, the prompt's full pages become reusable."""
+        self.copy(chunks)
+        if self.runner.prefix is not None and not self.missing():
+            self.runner.remember_prefix(self.seq, prompt)
+
+    def missing(self) -> list[tuple[int, int]]:
+        """(layer, page) pairs that should have arrived and did not."""
+        return [(layer, p) for layer, p in self.tracker.missing() if p >= self.cached_pages]
 
 
 class RemotePrefill:
@@ -76,9 +126,10 @@ class RemotePrefill:
     name = "remote"
 
     def __init__(self, runner: ModelRunner, stub, channel: grpc.aio.Channel | None = None,
-                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S):
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+                 import_batch_bytes: int = IMPORT_BATCH_BYTES):
         self.runner, self.stub, self.channel = runner, stub, channel
-        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_timeout_s, self.import_batch_bytes = transfer_timeout_s, import_batch_bytes
         self.inflight = 0
         self.healthy = True
 
@@ -115,7 +166,8 @@ class RemotePrefill:
 
         runtime, spec = self.runner.runtime, self.runner.runtime.spec
         # Pages this decode replica already holds (prefix cache) are neither computed nor sent.
-        req.cached_tokens = await run(self.runner.reuse_prefix, req.seq, req.prompt)
+        if self.runner.prefix is not None:  # without a prefix cache there is nothing to look up
+            req.cached_tokens = await run(self.runner.reuse_prefix, req.seq, req.prompt)
         cached_pages = req.cached_tokens // spec.block_size
         name = self.runner.prefix.names(req.prompt[:req.cached_tokens])[-1] if cached_pages else b""
         call = self.stub.Prefill(pb.PrefillRequest(
@@ -123,50 +175,57 @@ class RemotePrefill:
             expected_spec=conv.spec_to_pb(spec), expected_fingerprint=conv.fingerprint_to_pb(runtime.fingerprint),
             cached_pages=cached_pages, cached_prefix_hash=name), timeout=timeout)
         started = time.perf_counter()
+        # Pages are allocated at the header; chunks wait here and are verified and copied in one
+        # runner call at the end (more only past import_batch_bytes): each runner call queues behind
+        # the decode step in progress, so a call per chunk would make the prompt wait a decode step
+        # per layer while others decode; and tensor work stays on the runner's thread.
+        imports = _Imports(self.runner, req.seq, len(req.prompt), cached_pages)
         with tracer.start_as_current_span("kv_transfer") as span:
-            tracker, pages, first = None, [], None
+            first = None
             try:
                 async for msg in call:
                     kind = msg.WhichOneof("kind")
                     if kind == "header":
                         self._check_header(conv, msg.header, len(req.prompt), cached_pages)
-                        pages = await run(self.runner.import_begin, req.seq, len(req.prompt))
-                        tracker = TransferTracker(spec, len(pages))
+                        await run(imports.begin)  # while prefill computes its first layer
+                        imports.tracker = TransferTracker(spec, imports.num_pages)
                     elif kind == "chunk":
-                        if tracker is None:
+                        if imports.tracker is None:
                             raise errors.DataLoss("prefill sent a KV chunk before its header")
-                        chunk = conv.chunk_from_pb(msg.chunk)
-                        try:
-                            decoded = decode_chunk(spec, chunk, len(pages))
-                            tracker.record(chunk)
-                        except WireError as e:
-                            raise errors.DataLoss(f"KV page refused: {e}") from e
-                        await run(self.runner.import_chunk, pages, decoded)
+                        if imports.add(conv.chunk_from_pb(msg.chunk)) >= self.import_batch_bytes:
+                            await self._verified(run, imports.copy, imports.take())
                     elif kind == "done":
                         first = msg.done.first_token
             finally:
                 call.cancel()  # no-op when the stream ended normally
-            if tracker is None or first is None:
+            if imports.tracker is None or first is None:
                 raise errors.DataLoss("the prefill stream ended early (truncated): no header or no final message")
-            missing = [(layer, p) for layer, p in tracker.missing() if p >= cached_pages]
+            await self._verified(run, imports.finish, imports.take(), req.prompt)
+            tracker, missing = imports.tracker, imports.missing()
             if missing:
                 raise errors.DataLoss(f"the prefill stream is missing {len(missing)} (layer, page) KV pages, "
                                       f"first {missing[0]}")
             vocab = runtime.model_config.vocab_size
             if not 0 <= first < vocab:  # checked before anything reaches the client or a decode step
                 raise errors.DataLoss(f"prefill sent first token {first}, outside the vocabulary [0, {vocab})")
-            await run(self.runner.remember_prefix, req.seq, req.prompt)
-            sent_pages = len(pages) - cached_pages
+            sent_pages = imports.num_pages - cached_pages
             bf16_bytes = sent_pages * spec.num_layers * 2 * spec.values_per_page * 2
             span.set_attributes({
                 "kvwire.kv.pages": sent_pages * spec.num_layers, "kvwire.kv.bytes": tracker.bytes,
-                "kvwire.kv.cached_tokens": req.cached_tokens,
+                "kvwire.kv.cached_tokens": req.cached_tokens, "kvwire.kv.import_calls": imports.calls,
                 "kvwire.kv.chunks": tracker.chunks, "kvwire.kv.dtype": spec.dtype.value,
                 "kvwire.kv.compression_vs_bf16": round(bf16_bytes / tracker.bytes, 3) if tracker.bytes else 0.0,
                 "kvwire.kv.checksums_verified": tracker.chunks, "kvwire.kv.checksum_failures": 0})
             metrics.KV_TRANSFER_BYTES.inc(tracker.bytes)
             metrics.KV_TRANSFER_SECONDS.observe(time.perf_counter() - started)
             return first
+
+    @staticmethod
+    async def _verified(run: Run, fn, *args) -> None:
+        try:
+            await run(fn, *args)
+        except WireError as e:
+            raise errors.DataLoss(f"KV page refused: {e}") from e
 
     def _check_header(self, conv, header, num_tokens: int, cached_pages: int) -> None:
         runtime = self.runner.runtime

@@ -2,6 +2,7 @@
 
     from kvwire import LLM, SamplingParams
     llm = LLM("models/kvwire-tiny", weights="int8", kv_dtype="fp8_e4m3")
+    llm = LLM(target, draft_model=draft, speculative="draft")  # the draft's weights int8 too (draft_weights=)
     [out] = llm.generate(["The cat"], SamplingParams(max_tokens=16))
     for delta in llm.stream("The cat", SamplingParams(max_tokens=16)): ...
     rid = llm.add_request([1, 2, 3], SamplingParams()); outputs = llm.step()
@@ -49,7 +50,7 @@ class LLM:
     def __init__(self, model: str | Path, *, weights: QuantMode | str = QuantMode.INT8,
                  kv_dtype: KVDtype | str = KVDtype.FP8_E4M3, block_size: int = 16, num_pages: int = 512,
                  device: str = "cpu", draft_model: str | Path | None = None,
-                 draft_kv_dtype: KVDtype | str = KVDtype.BF16,
+                 draft_weights: QuantMode | str | None = None, draft_kv_dtype: KVDtype | str = KVDtype.BF16,
                  speculative: SpeculativeMode | str = SpeculativeMode.NONE, num_speculative_tokens: int = 4,
                  speculative_adaptive: bool = True, speculative_auto_off: bool = True,
                  prefix_caching: bool = False, max_running: int = 16,
@@ -59,8 +60,10 @@ class LLM:
         self.runtime = load_engine(cfg)
         draft = None
         if draft_model is not None:
-            draft = load_engine(EngineConfig(model_dir=Path(draft_model), kv_dtype=KVDtype(draft_kv_dtype),
-                                             block_size=block_size, num_pages=num_pages, device=device))
+            # quantized as the target unless told otherwise (decode_svc: --draft-weights)
+            draft = load_engine(EngineConfig(model_dir=Path(draft_model), weights=QuantMode(draft_weights or weights),
+                                             kv_dtype=KVDtype(draft_kv_dtype), block_size=block_size,
+                                             num_pages=num_pages, device=device))
         self.tokenizer = self._tokenizer(cfg.model_dir)
         eos = set(self.runtime.model_config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
         runner = ModelRunner(self.runtime, num_pages, draft, prefix_caching=prefix_caching)

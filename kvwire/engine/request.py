@@ -38,7 +38,9 @@ class Request:
     spec_steps: int = 0  # steps that verified at least one proposal
     drafted: int = 0
     accepted: int = 0
-    probe: tuple[int, int, int] = (0, 0, 0)  # (verification steps, drafted, accepted) since the last check
+    # running means of tokens per verification and its cost (plain steps), verifications counted; since the last switch
+    meter: tuple[float, float, int] = (0.0, 0.0, 0)
+    costs: list[float] = field(default_factory=lambda: [0.0])  # what 0, 1, .. proposals add to this step (plain steps)
     off_until: int = 0  # no proposals while steps < off_until (speculation turned off: low acceptance)
     turned_off: int = 0  # times speculation was turned off for low acceptance
     turned_on: int = 0  # times it was turned back on (n-gram: shadow acceptance reached break-even)

@@ -10,6 +10,7 @@ under a step or an import.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from kvwire.engine.chunked import PrefixPrefill
 from kvwire.engine.prefix_cache import PrefixCache, cache_salt
 from kvwire.engine.speculative import draft_sample
+from kvwire.engine.step_cost import StepCost
 from kvwire.kv.wire import DecodedChunk
 from kvwire.runtime import Runtime
 from kvwire.sampling_params import SamplingParams
@@ -36,6 +38,7 @@ class ModelRunner:
         self.draft_cache = draft.new_cache(draft_pages or num_pages) if draft is not None else None
         # seq -> (its length before, tokens fed) in the last multi-token step: what ``keep`` rolls back
         self._starts: dict[int, tuple[int, int]] = {}
+        self.step_cost = StepCost()  # what a verification row costs here, from ``step``'s timings
 
     def reuse_prefix(self, seq: int, prompt: list[int]) -> int:
         """Attach the longest cached prefix of ``prompt`` to the new sequence ``seq``; returns the
@@ -87,11 +90,13 @@ class ModelRunner:
         token, then attends each over the pages up to its own position in the same kernel call
         plain decoding makes, so its logits equal one-token-at-a-time decoding's. Call ``keep``
         afterwards to drop rejected tokens."""
+        t0 = time.perf_counter()
         counts = [len(ts) for ts in tokens]
         starts = [self.cache.length(s) if s in self.cache.tables else 0 for s in seqs]
         positions = self.cache.prepare(seqs, counts)
         logits = self.runtime.model(torch.tensor([t for ts in tokens for t in ts]), positions,
                                     self.cache)  # [num_tokens, vocab]
+        self.step_cost.add(len(seqs), sum(counts), time.perf_counter() - t0)
         self._starts = {s: (start, n) for s, start, n in zip(seqs, starts, counts) if n > 1}
         return list(logits.split(counts))
 
@@ -144,14 +149,18 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """A short prompt, decode and verify steps (and draft proposals) through the real paths,
-        then forget them."""
+        then forget them (all but their timings)."""
         seq = -1
         self.cache.prepare([seq], [8])
         self.runtime.model(torch.zeros(8, dtype=torch.int64), torch.arange(8), self.cache)
         for _ in range(2):
             self.step([seq], [[0]])
-        self.step([seq], [[0, 1, 2]])
-        self.keep(seq, 1)
+        # 1..9 rows in turn, a few times: StepCost's first prices, so the first requests size their
+        # n-gram proposals to this machine (real steps take over as they come)
+        for _ in range(self.step_cost.min_steps):
+            for rows in range(1, 10):
+                self.step([seq], [[0] * rows])
+                self.keep(seq, 1)
         if self.draft is not None:
             self.propose([seq], [[0] * 12], [3], [SamplingParams()], [0])
         self.free(seq)

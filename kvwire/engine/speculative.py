@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvwire import metrics
+from kvwire.engine.ngram import lookup_length, ngram_match, ngram_propose  # noqa: F401 - re-exported
 from kvwire.sampler import probabilities, sample, step_generator
 from kvwire.sampling_params import SamplingParams, SpeculativeMode
 
@@ -29,26 +29,6 @@ _DRAFT_SALT = 0x5EC0_D4AF_7000  # separates the draft's proposal draws from the 
 def draft_generator(seed: int | None, step: int) -> torch.Generator:
     """The generator the draft samples its proposal for generated token ``step`` with."""
     return step_generator(None if seed is None else seed ^ _DRAFT_SALT, step)
-
-
-def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (longest n first,
-    ``max_n`` down to ``min_n``) and propose the up to ``k`` tokens that followed it; [] if none.
-
-    ``tokens`` is the whole context: prompt + generated, ending with the token about to be fed.
-    """
-    if k <= 0 or len(tokens) < 2:
-        return []
-    arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, len(arr) - 1), min_n - 1, -1):
-        suffix = arr[-n:]
-        # windows[i] = arr[i:i+n] for i in [0, len - n - 1]: starts whose continuation is non-empty
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
-    return []
 
 
 # ---- the acceptance rule -------------------------------------------------------------------------
@@ -137,16 +117,26 @@ def adapt_k(k: int, proposed: int, accepted: int, k_max: int) -> int:
 class SpecConfig:
     """The engine's speculative decoding defaults (built once, e.g. in decode_svc's ``__main__``).
 
-    Turning off (``auto_off``): a verification step costs more than a plain decode step, by about
-    ``*_cost`` plain steps per proposed token (n-gram: the extra rows of the target forward; draft:
-    those plus one draft step each). It pays while accepted tokens exceed that cost, i.e. while
-    the acceptance rate (accepted / proposed) exceeds ``*_cost``. Every ``probe_steps`` verification
-    steps a request compares its acceptance over them with that break-even; below it, it decodes
-    plainly (k = 0). A draft request probes again after ``off_steps`` plain steps (0: never). An
-    n-gram request needs no probe: while off, each step it looks up the proposal it would have made
-    (no model involved) and scores it against the tokens then generated; when that shadow
-    acceptance reaches break-even over ``probe_steps`` proposals, speculation is back on. Per
-    request, from its own tokens only, so a seeded request's output never depends on its batch.
+    Cost: a verification step costs more than a plain decode step, by about ``*_cost`` plain
+    steps per proposed token (n-gram: the extra rows of the target forward; draft: those plus one
+    draft step each). With ``measure_cost`` a greedy n-gram request uses what the runner measured
+    instead (``StepCost``: this CPU, these kernels, this batch size, this many rows) where it has.
+
+    How many (``adaptive``): an n-gram request proposes, of the tokens that followed the longest
+    earlier match of its context's suffix (``ngram_max`` .. ``ngram_min`` tokens), as many as make
+    the most tokens per unit of time (``ngram.lookup_length``: more after longer matches, fewer
+    when rows cost more), at most its k; a draft request adapts k to its acceptance
+    (``adapt_k``), starting at ``first_k``. Without ``adaptive`` both propose k every step.
+
+    Turning off (``auto_off``): a step's gain is the tokens it emits over what it cost, in plain
+    steps (1 + the cost of its proposals). A request keeps a running mean of both (weight ``ema``
+    for the newest); once it has ``probe_steps`` verifications and the tokens fall below the cost,
+    it decodes plainly (k = 0). A draft request probes again after ``off_steps`` plain steps (0:
+    never). An n-gram request needs no probe: while off, each step it looks up the proposal it
+    would have made (no model involved), scores it against the tokens then generated and keeps
+    the same running means; when, after ``probe_steps`` such proposals, the tokens exceed the cost
+    by ``on_gain`` (hysteresis), speculation is back on. Per request, from its own tokens only
+    (and, greedy only, the measured price), so a seeded request's output never depends on its batch.
 
     Batch (``greedy_max_batch``): in a step of b requests every verification row costs about what
     a whole request's row does, so the break-even rises with b; greedy requests do not speculate
@@ -156,17 +146,22 @@ class SpecConfig:
 
     mode: SpeculativeMode = SpeculativeMode.NONE  # what a request's speculative=None means
     num_tokens: int = 4  # k when a request does not set num_speculative_tokens
-    adaptive: bool = True  # adapt k per request to its acceptance (adapt_k), at most the requested k
-    first_k: int = 2  # adaptive: k of a request's first verification (cheap to probe; adapt_k grows it)
-    ngram_max: int = 3  # n-gram lookup tries suffixes of ngram_max .. ngram_min tokens
+    adaptive: bool = True  # n-gram: lookup_length per step; draft: adapt_k (both at most the requested k)
+    first_k: int = 2  # adaptive draft: k of a request's first verification (cheap to probe; adapt_k grows it)
+    ngram_max: int = 16  # n-gram lookup tries suffixes of ngram_max .. ngram_min tokens
     ngram_min: int = 1
-    auto_off: bool = True  # stop speculating where acceptance is below break-even (see above)
-    probe_steps: int = 4  # verification steps per acceptance measurement
-    off_steps: int = 32  # plain steps before probing again (0: never again for this request)
-    # Break-even acceptance rates: a verification step of k + 1 tokens cost about 1 + 0.3 k plain steps
-    # (SmolLM2-135M, int8, FP8 KV, 2-core AVX-512 CPU, fused decode kernels); a draft step adds its own.
+    # lookup_length: after an n-token match each next token is right with probability ~ 1 - ngram_miss / n
+    ngram_miss: float = 1.0  # (fit: 0.6-0.8; 1.0 is the cautious side, where wrong proposals cost most)
+    auto_off: bool = True  # stop speculating where it does not pay (see above)
+    probe_steps: int = 8  # verifications (real or shadow) before deciding to turn off or on
+    ema: float = 0.125  # weight of the newest verification in the running means of tokens and cost
+    on_gain: float = 1.1  # shadow tokens over cost needed to turn n-gram speculation back on
+    off_steps: int = 32  # plain steps before a draft request probes again (0: never again for this request)
+    # Cost per proposed token, in plain steps: a verification step of k + 1 tokens cost about 1 + 0.3 k
+    # plain steps (SmolLM2-135M, int8, FP8 KV, 2-core AVX-512 CPU, fused decode kernels); a draft step adds its own.
     ngram_cost: float = 0.3  # n-gram proposals (one-call verification only)
     draft_cost: float = 0.6  # draft proposals (verification + drafting)
+    measure_cost: bool = True  # greedy n-gram requests use the runner's measured price (StepCost) when it has one
     # Measured (bench speculative, n-gram, batch 8 of grounded prompts): 0.61x plain without this limit.
     greedy_max_batch: int = 4  # greedy requests speculate in steps of at most this many requests (0: any)
 
@@ -177,14 +172,31 @@ class SpecConfig:
 # ---- the engine's decode step ---------------------------------------------------------------------
 
 def num_proposals(req, draft_max_positions: int | None) -> int:
-    """Proposals for ``req`` this step. Never past max_tokens: the step's last token (correction or
-    bonus) is the last one allowed, so the sequence never outgrows its page reservation."""
+    """Proposals for ``req`` this step at most. Never past max_tokens: the step's last token
+    (correction or bonus) is the last one allowed, so the sequence never outgrows its page reservation."""
     if req.steps < req.off_until:
         return 0  # turned off for now (low acceptance)
     k = min(req.k, req.params.max_tokens - req.generated - 1)
     if req.mode is SpeculativeMode.DRAFT and len(req.context) + k > (draft_max_positions or 0):
         return 0
     return max(0, k)
+
+
+def row_costs(runner, req, batch_size: int, cfg: SpecConfig) -> list[float]:
+    """What 0..k_max proposals of ``req`` add to a step of ``batch_size`` requests, in its plain
+    steps: measured (greedy n-gram requests: StepCost, where it has measured) or the config's."""
+    per_row = cfg.break_even(req.mode)
+    if cfg.measure_cost and req.mode is SpeculativeMode.NGRAM and req.params.greedy:
+        return runner.step_cost.extras(batch_size, req.k_max, per_row)
+    return [per_row * i for i in range(req.k_max + 1)]
+
+
+def ngram_proposal(req, k: int, cfg: SpecConfig) -> list[int]:
+    """The n-gram lookup's proposal for ``req``: at most ``k`` tokens, as many as pay (adaptive)."""
+    n, start = ngram_match(req.context, cfg.ngram_max, cfg.ngram_min)
+    if cfg.adaptive:
+        k = lookup_length(n, req.costs[:k + 1], cfg.ngram_miss)
+    return req.context[start:start + k] if n and k > 0 else []
 
 
 def decode_step(runner, batch, cfg: SpecConfig) -> list[tuple[list[int], int]]:
@@ -197,8 +209,10 @@ def decode_step(runner, batch, cfg: SpecConfig) -> list[tuple[list[int], int]]:
     props: list[list[int]] = [[] for _ in batch]
     qs: list = [None] * len(batch)
     for i, r in enumerate(batch):
+        if r.mode is not SpeculativeMode.NONE:
+            r.costs = row_costs(runner, r, len(batch), cfg)  # what record() and observe() charge
         if r.mode is SpeculativeMode.NGRAM and ks[i]:
-            props[i] = ngram_propose(r.context, ks[i], cfg.ngram_max, cfg.ngram_min)
+            props[i] = ngram_proposal(r, ks[i], cfg)
     drafting = [i for i, r in enumerate(batch) if r.mode is SpeculativeMode.DRAFT and ks[i]]
     if drafting:
         drafts = runner.propose([batch[i].seq for i in drafting], [batch[i].context for i in drafting],
@@ -223,30 +237,34 @@ def decode_step(runner, batch, cfg: SpecConfig) -> list[tuple[list[int], int]]:
     return results
 
 
-def _measured(req, proposed: int, accepted: int, cfg: SpecConfig) -> bool | None:
-    """Add one (real or shadow) verification to ``req``'s probe window; at the window's end,
-    whether its acceptance reached break-even (None before the end)."""
-    steps, drafted, acc = req.probe[0] + 1, req.probe[1] + proposed, req.probe[2] + accepted
-    req.probe = (steps, drafted, acc)
-    if steps < cfg.probe_steps:
-        return None
-    req.probe = (0, 0, 0)
-    return acc >= cfg.break_even(req.mode) * drafted
+def _gain(req, proposed: int, accepted: int, cfg: SpecConfig) -> float | None:
+    """Add one (real or shadow) verification to ``req``'s running means of tokens emitted and
+    cost (plain steps); their ratio once ``probe_steps`` were seen since the last switch, else None."""
+    tokens, cost, n = req.meter
+    n += 1
+    w = max(cfg.ema, 1.0 / n)  # a plain mean over the first 1 / ema
+    tokens += w * (accepted + 1 - tokens)
+    cost += w * (1.0 + req.costs[min(proposed, len(req.costs) - 1)] - cost)
+    req.meter = (tokens, cost, n)
+    return tokens / cost if n >= cfg.probe_steps else None
 
 
 def record(req, proposed: int, accepted: int, cfg: SpecConfig) -> None:
-    """Count one verification step of ``req`` (adapt its k; turn speculation off when it does
-    not pay, see SpecConfig)."""
+    """Count one verification step of ``req`` (adapt a draft's k; turn speculation off when it
+    does not pay, see SpecConfig)."""
     req.spec_steps += 1
     req.drafted += proposed
     req.accepted += accepted
-    if cfg.adaptive:
+    if cfg.adaptive and req.mode is SpeculativeMode.DRAFT:
         req.k = adapt_k(req.k, proposed, accepted, req.k_max)
-    if cfg.auto_off and _measured(req, proposed, accepted, cfg) is False:
-        req.turned_off += 1
-        # req.steps counts this step once the scheduler applies it: plain from the next one on
-        probe_again = req.mode is SpeculativeMode.DRAFT and cfg.off_steps
-        req.off_until = req.steps + 1 + cfg.off_steps if probe_again else 1 << 62
+    if cfg.auto_off:
+        gain = _gain(req, proposed, accepted, cfg)
+        if gain is not None and gain < 1.0:
+            req.turned_off += 1
+            req.meter = (0.0, 0.0, 0)
+            # req.steps counts this step once the scheduler applies it: plain from the next one on
+            probe_again = req.mode is SpeculativeMode.DRAFT and cfg.off_steps
+            req.off_until = req.steps + 1 + cfg.off_steps if probe_again else 1 << 62
     mode = req.mode.value
     metrics.SPEC_DRAFTS.labels(mode).inc()
     metrics.SPEC_DRAFT_TOKENS.labels(mode).inc(proposed)
@@ -257,7 +275,7 @@ def record(req, proposed: int, accepted: int, cfg: SpecConfig) -> None:
 def observe(req, cfg: SpecConfig) -> None:
     """After a step (its tokens appended to ``req.context``): an n-gram request whose speculation
     is off scores the proposal lookup would have made against the tokens generated since (no
-    model involved), and turns speculation back on when that reaches break-even (see SpecConfig)."""
+    model involved), and turns speculation back on when that pays by ``on_gain`` (see SpecConfig)."""
     if req.mode is not SpeculativeMode.NGRAM or req.steps >= req.off_until or req.finished:
         req.shadow = None
         return
@@ -268,11 +286,12 @@ def observe(req, cfg: SpecConfig) -> None:
         if hit == len(seen) < len(props):
             return  # every token so far matches: wait for the rest
         req.shadow = None
-        if _measured(req, len(props), hit, cfg):
-            req.off_until, req.k = 0, req.k_max
+        gain = _gain(req, len(props), hit, cfg)
+        if gain is not None and gain >= cfg.on_gain:
+            req.off_until, req.meter = 0, (0.0, 0.0, 0)
             req.turned_on += 1
             return
-    props = ngram_propose(req.context, req.k_max, cfg.ngram_max, cfg.ngram_min)
+    props = ngram_proposal(req, req.k_max, cfg)
     if props:
         req.shadow = (props, len(req.context))  # proposals for context[at:], after the pending token
 

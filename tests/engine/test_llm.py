@@ -88,3 +88,22 @@ def test_text_in_text_out_with_the_embedded_model():
     llm = LLM(DEFAULT_MODEL_DIR, num_pages=64)
     [out] = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out.token_ids) == 8 and out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_the_draft_is_quantized_like_the_target_unless_told(model_dir, tmp_path):
+    from kvwire.config import QuantMode
+    from kvwire.model.quant import Int8Linear
+    draft = tiny_model(tmp_path / "draft", seed=1, hidden_size=32, num_layers=1)
+    llm = LLM(model_dir, num_pages=128, draft_model=draft, speculative="draft")
+    rt = llm.core.runner.draft
+    assert rt.cfg.weights is QuantMode.INT8 and any(isinstance(m, Int8Linear) for m in rt.model.modules())
+    fp32 = LLM(model_dir, num_pages=128, draft_model=draft, draft_weights="none").core.runner.draft
+    assert fp32.cfg.weights is QuantMode.NONE and not any(isinstance(m, Int8Linear) for m in fp32.model.modules())
+    llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, greedy_max_batch=0, auto_off=False)
+    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=12, speculative="none"))
+    reqs = [llm.core.requests[llm.add_request(p, SamplingParams(max_tokens=12, num_speculative_tokens=3))]
+            for p in PROMPTS]
+    while llm.has_unfinished():
+        llm.step()
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
+    assert sum(r.drafted for r in reqs) > 0 and llm.stats()["used"] == 0

@@ -97,15 +97,18 @@ def _req(mode=SpeculativeMode.NGRAM, k=4, max_tokens=500) -> Request:
                    generated=1)
 
 
-def _run(req: Request, cfg: spec.SpecConfig, accepted_per_step: int, steps: int) -> list[int]:
+def _run(req: Request, cfg: spec.SpecConfig, accepted_per_step, steps: int) -> list[int]:
     """Drive ``req`` through ``steps`` decode steps (as decode_step + the scheduler would count
-    them); returns the proposals made at each step."""
+    them; ``accepted_per_step``: an int, or a list of one per step); returns the proposals made at
+    each step."""
     made = []
-    for _ in range(steps):
+    for i in range(steps):
         k = spec.num_proposals(req, 512)
         made.append(k)
+        req.costs = [cfg.break_even(req.mode) * i for i in range(req.k_max + 1)]  # as decode_step sets them
         if k:
-            spec.record(req, k, min(k, accepted_per_step), cfg)
+            acc = accepted_per_step if isinstance(accepted_per_step, int) else accepted_per_step[i]
+            spec.record(req, k, min(k, acc), cfg)
         req.steps += 1
     return made
 
@@ -130,11 +133,27 @@ def test_low_acceptance_turns_speculation_off_and_a_draft_probes_again():
     assert _run(_req(), dataclasses.replace(cfg, auto_off=False), 0, 20) == [4] * 20
 
 
+def test_a_few_rejections_after_accepted_ones_do_not_turn_ngram_off():
+    """The running means forgive the end of a quoted run: 4 rejected steps after 10 accepted ones
+    keep speculation on; a sustained stretch of rejections still turns it off."""
+    cfg = spec.SpecConfig(adaptive=False)  # probe_steps 8, ema 0.125, cost 0.3: a 4-proposal step costs 2.2
+    req = _req()
+    made = _run(req, cfg, [4] * 10 + [0] * 4 + [4] * 6, steps=20)
+    assert made == [4] * 20 and req.turned_off == 0
+    made = _run(req, cfg, [0] * 20, steps=20)
+    assert req.turned_off == 1 and made[0] == 4 and made[-1] == 0
+    first_off = made.index(0)
+    assert 8 <= first_off < 20  # more than probe_steps' worth of rejections: the means had to fall
+    # a request that starts out rejected turns off as soon as it has probe_steps verifications
+    assert _run(_req(), cfg, 0, steps=12) == [4] * 8 + [0] * 4
+
+
 def _generate(req: Request, tokens: list[int], cfg: spec.SpecConfig) -> list[int]:
     """Plain steps emitting ``tokens`` one by one, as EngineCore.update applies them."""
     made = []
     for t in tokens:
         made.append(spec.num_proposals(req, 512))
+        req.costs = [cfg.break_even(req.mode) * i for i in range(req.k_max + 1)]
         req.context.append(t)
         req.generated += 1
         req.steps += 1
@@ -146,19 +165,19 @@ def test_ngram_comes_back_on_when_its_shadow_lookup_would_be_accepted():
     cfg = spec.SpecConfig(probe_steps=3, ngram_cost=0.3, adaptive=True)
     req = _req(k=4)
     req.context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
-    _run(req, cfg, accepted_per_step=0, steps=4)  # 4 rejected verifications: off
-    assert req.turned_off == 1 and spec.num_proposals(req, 512) == 0 and req.k == 1
+    _run(req, cfg, accepted_per_step=0, steps=4)  # 3 rejected verifications: off
+    assert req.turned_off == 1 and spec.num_proposals(req, 512) == 0
     # new text, no earlier occurrence: nothing to score, it stays off
-    assert _generate(req, [20, 21, 22, 23, 24, 25], cfg) == [0] * 6 and req.turned_on == 0
-    # the text repeats itself: lookup proposes 3 4 5 6 after "2" and is right every time
+    assert _generate(req, [20, 21, 22, 23, 24, 25], cfg) == [0] * 6 and req.turned_on == 0 and req.meter[2] == 0
+    # the text repeats itself: after "2 3", lookup proposes "4 5 ..." and is right every time
     _generate(req, [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2, 3, 4, 5], cfg)
-    assert req.turned_on == 1 and req.k == 4 and spec.num_proposals(req, 512) == 4
+    assert req.turned_on == 1 and spec.num_proposals(req, 512) == 4
     # and a lookup that is wrong keeps it off
     other = _req(k=4)
     other.context = [1, 2, 3, 1, 2, 3]
     _run(other, cfg, accepted_per_step=0, steps=4)
-    _generate(other, [1, 9, 1, 8, 1, 7, 1, 6, 1, 5, 1, 4], cfg)
-    assert other.turned_on == 0 and spec.num_proposals(other, 512) == 0
+    _generate(other, [1, 2, 9, 1, 2, 8, 1, 2, 7, 1, 2, 6, 1, 2, 5, 1, 2, 4], cfg)
+    assert other.meter[2] >= 3 and other.turned_on == 0 and spec.num_proposals(other, 512) == 0
 
 
 def test_turned_off_request_still_gives_plain_greedy_output(models):
@@ -169,9 +188,10 @@ def test_turned_off_request_still_gives_plain_greedy_output(models):
     params = SamplingParams(max_tokens=40, ignore_eos=True, speculative="ngram", num_speculative_tokens=4)
     runs = {}
     for auto in (True, False):
-        llm = LLM(target, num_pages=128, speculative_auto_off=auto)
-        # a high break-even (a random model's acceptance is below it); greedy requests speculate in a batch
-        llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, ngram_cost=0.9, greedy_max_batch=0)
+        llm = LLM(target, num_pages=128, speculative_auto_off=auto, speculative_adaptive=False)
+        # a high, fixed break-even (a random model's acceptance is below it); greedy requests speculate in a batch
+        llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, ngram_cost=0.9, greedy_max_batch=0,
+                                                measure_cost=False)
         reqs = [llm.core.requests[llm.add_request(p, params)] for p in prompts]
         while llm.has_unfinished():
             llm.step()
@@ -214,3 +234,11 @@ async def test_cancel_during_a_speculative_step_frees_target_and_draft_pages(mod
         release.set()
         assert await h.pools_back_to(64, 128)
         assert runner.cache.stats()["used"] == 0 and runner.draft_cache.stats()["used"] == 0
+
+
+def test_warm_up_prices_verification_rows_and_gives_its_pages_back(models):
+    runner = ModelRunner(load_engine(EngineConfig(model_dir=models[0], num_pages=64)), 64)
+    assert runner.step_cost.extra(1, 1) is None
+    runner.warm_up()
+    assert all(runner.step_cost.extra(1, i) is not None for i in range(1, 9))
+    assert runner.cache.stats()["used"] == 0

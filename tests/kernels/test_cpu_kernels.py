@@ -45,6 +45,58 @@ def test_linear_rows_independent_of_batch_and_threads(dtype):
     assert torch.equal(cpu.linear(x[3:8].clone(), w, threads=2), full[3:8])
 
 
+vnni = pytest.mark.skipif(not cpu.available() or not cpu.library().kvw_has_vnni(),
+                          reason="the int8 x int8 linear needs an AVX512-VNNI build")
+
+
+@vnni
+def test_act8_quantization_is_the_references_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 1536, generator=g) * torch.rand(1536, generator=g) * 4
+    x[0, :32] = 0  # a zero block: scale 0, q 0
+    x[1, 32:64] = torch.arange(32) - 15.5  # exact halves after scaling: round to nearest even
+    x[2, :64] *= 1e-30  # tiny values (subnormal scales)
+    x[3, 100] = 1e4  # an outlier: its block saturates to +-127, the others do not care
+    q, s, k = cpu.quantize_act8(x)
+    q_ref, s_ref = reference.quantize_act8(x)
+    assert torch.equal(q, q_ref)
+    lanes_per_block = reference.ACT8_BLOCK // 4
+    assert torch.equal(s, s_ref.repeat_interleave(lanes_per_block, dim=1))  # every lane of a block: its scale
+    # what (w + 128) . q adds over w . q, per row: 128 * sum_b s_b * sum(q_b)
+    k_ref = 128 * (s_ref.double() * q_ref.reshape(5, -1, reference.ACT8_BLOCK).double().sum(-1)).sum(-1)
+    torch.testing.assert_close(k.double(), k_ref, rtol=1e-6, atol=1e-6 * float(k_ref.abs().max()))
+
+
+@vnni
+@pytest.mark.parametrize("rows,n_in,n_out", [(1, 576, 960), (3, 1536, 576), (9, 64, 37), (16, 2048, 13)])
+def test_linear_i8a8_matches_reference(rows, n_in, n_out):
+    g = torch.Generator().manual_seed(rows * n_in + n_out)
+    x = torch.randn(rows, n_in, generator=g) * torch.rand(n_in, generator=g) * 3
+    w = torch.randint(-127, 128, (n_out, n_in), generator=g, dtype=torch.int8)
+    scale, bias, res = torch.rand(n_out, generator=g), torch.randn(n_out, generator=g), torch.randn(rows, n_out, generator=g)
+    y = cpu.linear_i8a8(x, w, scale, bias, res)
+    ref = reference.linear_i8a8(x, w, scale, bias) + res
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # and the quantization is what it claims: close to the fp32 product, not equal to it
+    exact = res + F.linear(x.double(), w.double()).float() * scale + bias
+    err = (y - exact).abs().max() / exact.abs().max()
+    assert 0 < err < 0.02, err
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu.linear_i8a8(x[:, :32].contiguous(), w[:, :32].contiguous(), scale)
+
+
+@vnni
+def test_linear_i8a8_rows_independent_of_batch_and_threads():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 576, generator=g)
+    w = torch.randint(-127, 128, (1000, 576), generator=g, dtype=torch.int8)
+    scale = torch.rand(1000, generator=g)
+    full = cpu.linear_i8a8(x, w, scale, threads=2)
+    for i in range(13):
+        assert torch.equal(cpu.linear_i8a8(x[i:i + 1].clone(), w, scale, threads=1), full[i:i + 1])
+    assert torch.equal(cpu.linear_i8a8(x[3:8].clone(), w, scale, threads=2), full[3:8])
+
+
 def test_rms_norm_and_silu_mul():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 576, generator=g), torch.rand(576, generator=g)

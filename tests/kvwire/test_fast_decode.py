@@ -3,7 +3,7 @@
 Both paths run on one loaded model and two caches filled by the same prompt (prompts always take
 the PyTorch path); then decode and verification steps go through each. The fused path must give
 the same logits within the activations' rounding (the PyTorch int8/bf16 paths round activations
-to bf16, the fused one keeps fp32), and each row must be bit-identical whatever it was batched
+to bf16; the fused one keeps them fp32, or int8 per block of 32 into int8 layers on VNNI CPUs), and each row must be bit-identical whatever it was batched
 with: one token at a time, k + 1 tokens of a verification, or beside other sequences.
 """
 from __future__ import annotations
@@ -72,6 +72,17 @@ def test_rows_do_not_depend_on_their_batch(kv):
         for a, b in zip(alone.layer_tensors(layer), together.layer_tensors(layer)):
             if a is not None:
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_int8_layers_take_int8_activations_where_the_cpu_has_vnni(monkeypatch):
+    """The descriptor says which kernel runs: int8 x int8 on VNNI builds, unless switched off."""
+    rt = runtime("int8", "fp8_e4m3")
+    fast = rt.model.step_fn
+    kinds = {d.wt for layer in fast.layers for d in (layer.qkv, layer.o, layer.gate_up, layer.down)} | {fast.head.wt}
+    assert kinds == ({cpu.WT_I8A8} if cpu.library().kvw_has_vnni() else {cpu.WEIGHT_TYPES[torch.int8]})
+    monkeypatch.setenv("KVWIRE_INT8_ACTIVATIONS", "0")
+    fp32_acts = runtime("int8", "fp8_e4m3").model.step_fn
+    assert {layer.down.wt for layer in fp32_acts.layers} == {cpu.WEIGHT_TYPES[torch.int8]}
 
 
 def test_disabled_by_environment(monkeypatch):

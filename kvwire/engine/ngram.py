@@ -1,0 +1,67 @@
+"""Prompt lookup (n-gram) proposals: the longest earlier match of the context's suffix, and how
+many of the tokens that followed it are worth verifying.
+
+Pure functions over token ids (no model, no tensors). The context is the whole sequence, prompt
++ generated, so text the model repeats from its own output is found as well as quoted text.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def ngram_match(tokens: Sequence[int], max_n: int, min_n: int = 1) -> tuple[int, int]:
+    """(n, start): the longest suffix of ``tokens`` (at most ``max_n`` tokens) that occurred
+    earlier with at least one token after it, at its latest such place; ``start`` indexes the
+    token that followed it. (0, 0) when no suffix of ``min_n`` tokens or more occurred earlier."""
+    if max_n < 1 or len(tokens) < 2:
+        return 0, 0
+    arr = np.asarray(tokens, dtype=np.int64)
+    ends = np.flatnonzero(arr[:-1] == arr[-1])  # earlier occurrences of the last token, followed by one
+    if ends.size == 0:
+        return (0, 0)
+    n = 1
+    while n < max_n:  # keep the ends whose match grows one token further back
+        longer = ends[ends >= n]
+        longer = longer[arr[longer - n] == arr[-1 - n]]
+        if longer.size == 0:
+            break
+        ends, n = longer, n + 1
+    return (n, int(ends[-1]) + 1) if n >= min_n else (0, 0)
+
+
+def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence of the
+    longest suffix (``max_n`` down to ``min_n`` tokens) of ``tokens``; [] if none.
+
+    ``tokens`` is the whole context: prompt + generated, ending with the token about to be fed.
+    """
+    if k <= 0:
+        return []
+    n, start = ngram_match(tokens, max_n, min_n)
+    return list(tokens[start:start + k]) if n else []
+
+
+def lookup_length(n: int, extra: Sequence[float], miss: float) -> int:
+    """How many of the tokens after a suffix match of ``n`` tokens to propose: the i in 0..k that
+    makes the most tokens per unit of time, (1 + s + s**2 + .. + s**i) / (1 + ``extra[i]``), where
+    ``extra[i]`` is what i proposals add to a plain step (``extra[0]`` = 0, k = len(extra) - 1)
+    and s**j the chance the first j are all accepted.
+
+    s = 1 - ``miss`` / n: a longer match predicts its continuation better (measured on
+    SmolLM2-135M-Instruct, ``bench speculative``'s grounded and chat prompts: s ~ 0.4 after a
+    1-token match, 0.7 after 2, 0.85 after 3..7, 0.95 after 8 or more; chat below grounded text).
+    So nothing after a short match, a few tokens after a longer one, more when rows are cheap."""
+    k = len(extra) - 1
+    if n <= 0 or k <= 0:
+        return 0
+    s = 1.0 - miss / n
+    best, best_rate, expected, p = 0, 1.0, 1.0, 1.0
+    for i in range(1, k + 1):
+        p *= s
+        expected += p  # tokens a step emits, on average, with i proposals
+        rate = expected / (1.0 + extra[i])
+        if rate > best_rate:
+            best, best_rate = i, rate
+    return best

@@ -1,0 +1,48 @@
+"""What a verification's extra rows cost on this machine, from the runner's own step timings.
+
+Speculation pays while the tokens a step emits beyond one outweigh what its extra rows cost, so
+the engine needs that price in plain decode steps. It depends on the CPU, the kernels (rows are
+processed in tiles: a fifth row may cost more than the second to fourth together), the batch and
+the context, so rather than a constant it is measured: a running mean of the step time per
+(batch size b, rows fed). A plain step of b requests feeds b rows; a request's share of it is
+1/b, so i extra rows of one request cost (t(b, b + i) / t(b, b) - 1) * b of its plain steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepCost:
+    weight: float = 0.1  # of the newest step in a running mean (about the last 1/weight steps)
+    min_steps: int = 4  # steps of a (batch, rows) pair before its mean is trusted
+    _means: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)  # -> (seconds, steps)
+
+    def add(self, batch: int, rows: int, seconds: float) -> None:
+        """One step of ``batch`` sequences that fed ``rows`` tokens in all, taking ``seconds``."""
+        mean, n = self._means.get((batch, rows), (0.0, 0))
+        if n >= self.min_steps:  # a step slowed by another process must not move the mean far
+            seconds = min(seconds, 2.0 * mean)
+        n += 1
+        self._means[batch, rows] = (mean + max(self.weight, 1.0 / n) * (seconds - mean), n)
+
+    def _mean(self, batch: int, rows: int) -> float | None:
+        mean, n = self._means.get((batch, rows), (0.0, 0))
+        return mean if n >= self.min_steps and mean > 0 else None
+
+    def extra(self, batch: int, rows: int) -> float | None:
+        """``rows`` extra rows of one request in a step of ``batch`` requests, in plain steps of
+        that request; None until both that step and a plain one were measured."""
+        plain, more = self._mean(batch, batch), self._mean(batch, batch + rows)
+        if plain is None or more is None:
+            return None
+        return max(0.0, more / plain - 1.0) * batch
+
+    def extras(self, batch: int, k: int, per_row: float) -> list[float]:
+        """[cost of 0, 1, .., k extra rows] for one request of a ``batch``-request step: measured
+        where known, else the last known plus ``per_row`` for each row beyond; never decreasing."""
+        out = [0.0]
+        for i in range(1, k + 1):
+            measured = self.extra(batch, i)
+            out.append(max(out[-1], out[-1] + per_row if measured is None else measured))
+        return out
