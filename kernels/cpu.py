@@ -4,7 +4,7 @@ The C file is compiled for this machine (``-march=native``: AVX-512 where the CP
 otherwise) into a cache directory keyed by the source, the compiler and the CPU's flags, so a
 machine never runs a binary built for another CPU. Building takes seconds and needs only gcc (or
 ``$CC``). Where there is no compiler (the container image), prebuilt binaries for the x86-64-v4
-(AVX-512) and x86-64-v3 (AVX2) levels (``python -m kernels.cpu --prebuild DIR``, run when the
+(AVX-512, with and without VNNI) and x86-64-v3 (AVX2) levels (``python -m kernels.cpu --prebuild DIR``, run when the
 image is built) are used, the best one this CPU's flags allow. When neither works, or with
 ``KVWIRE_CPU_KERNELS=0``, ``library()`` is None and callers keep the PyTorch path
 (``kernels.reference`` / ``torch.nn.functional``), which is also what the tests check these
@@ -309,7 +309,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(prog="python -m kernels.cpu", description="Build the CPU decode kernels.")
-    ap.add_argument("--prebuild", type=Path, metavar="DIR", help="compile the portable x86-64-v4/v3 binaries into DIR")
+    ap.add_argument("--prebuild", type=Path, metavar="DIR", help="compile the portable x86-64-v4-vnni/v4/v3 binaries into DIR")
     args = ap.parse_args()
     if args.prebuild:
         for p in prebuild(args.prebuild):

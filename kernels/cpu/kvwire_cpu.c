@@ -2,8 +2,9 @@
  *
  * Built at first use by kernels/cpu_build.py with the machine's own flags (-march=native), so the
  * 16-wide vectors below become AVX-512 registers where the CPU has them and pairs of AVX2 registers
- * where it does not. Plain C (GCC vector extensions, no intrinsics, no torch headers): it compiles
- * in about a second and is called through ctypes with raw pointers.
+ * where it does not. Plain C (GCC vector extensions; intrinsics only for byte widening and the
+ * AVX512-VNNI int8 dot products; no torch headers): it compiles in about a second and is called
+ * through ctypes with raw pointers.
  *
  * Determinism: every output element is computed by one thread with the same sequence of
  * operations whatever the number of rows in the call, the tile it falls in or the thread count.
