@@ -10,21 +10,11 @@ import pytest
 
 from kvwire.config import KVDtype, QuantMode
 from kvwire.generate import generate
-from kvwire.runtime import EngineConfig, load_engine
+from kvwire.runtime import load_engine
 from kvwire.sampling_params import SamplingParams
 from protos.kvwire.v1 import kvwire_pb2 as pb
-from tests.decode_svc.harness import Harness, tiny_model
+from tests.decode_svc.harness import Harness
 from tools.stack import free_port
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture
-def cfg(model_dir):
-    return EngineConfig(model_dir=model_dir, num_pages=128)
 
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 31, 48, 70, 9)]

@@ -3,24 +3,11 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from kvwire.engine.async_engine import merge_queued
 from kvwire.engine.request import RequestOutput
-from kvwire.runtime import EngineConfig
 from kvwire.sampling_params import FinishReason, KVSourceChoice, SamplingParams
 from protos.kvwire.v1 import kvwire_pb2 as pb
-from tests.decode_svc.harness import Harness, tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture
-def cfg(model_dir):
-    return EngineConfig(model_dir=model_dir, num_pages=128)
+from tests.decode_svc.harness import Harness
 
 
 def _queue(*items) -> asyncio.Queue:
