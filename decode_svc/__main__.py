@@ -38,8 +38,9 @@ async def serve(args: argparse.Namespace) -> None:
     server.add_service(kvwire_pb2_grpc.add_DecodeServiceServicer_to_server, lazy, "kvwire.v1.DecodeService")
     port = await server.start(args.listen)
     engine_cfg = cli.engine_config(args)
-    log.info("loading %s (weights %s, KV %s) ...", engine_cfg.model_dir, engine_cfg.weights.value,
-             engine_cfg.kv_dtype.value)
+    threads = cli.set_threads(args)
+    log.info("loading %s (weights %s, KV %s, %d compute threads) ...", engine_cfg.model_dir,
+             engine_cfg.weights.value, engine_cfg.kv_dtype.value, threads)
     engine = await asyncio.to_thread(load_engine, engine_cfg)
     eos = eos_token_ids(engine_cfg.model_dir, engine.model_config)  # no tokenizer.json needed
     draft = await asyncio.to_thread(load_draft, args, engine_cfg, engine)

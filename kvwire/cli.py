@@ -32,6 +32,36 @@ def add_engine_args(ap: argparse.ArgumentParser, default_pages: int) -> None:
     ap.add_argument("--num-pages", type=int, default=default_pages, help="KV pages in this service's pool")
     ap.add_argument("--device", default="cpu",
                     help="torch device for weights and KV pages: cpu (default) or cuda[:N] (Triton kernels)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="compute threads (torch and the CPU kernels). Default: OMP_NUM_THREADS if set, else "
+                         "the CPUs this process may use (its CPU affinity, capped by a cgroup CPU limit such "
+                         "as a Kubernetes pod's). Services sharing a host should split its cores between "
+                         "them: OpenMP threads that outnumber the cores stall each other at every barrier")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (a
+    Kubernetes CPU limit of 1.5 gives 1: a thread more than the quota is throttled mid-barrier)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def set_threads(args: argparse.Namespace) -> int:
+    """Apply ``--threads`` (see its help) to torch, which the CPU kernels follow; returns the count."""
+    import torch
+
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"--threads must be at least 1, got {args.threads}")
+    n = args.threads or (None if os.environ.get("OMP_NUM_THREADS") else usable_cpus())
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -22,11 +22,12 @@ async def serve(args: argparse.Namespace) -> None:
     start_metrics_server(telemetry, args.metrics_port, security.metrics_host(args))
     server = GrpcServer(security=security.server_security(args), reflection=not args.no_reflection)
     engine_cfg = cli.engine_config(args)
+    threads = cli.set_threads(args)
     lazy = Lazy(PrefillServicer, "prefill_svc")
     server.add_service(kvwire_pb2_grpc.add_PrefillServiceServicer_to_server, lazy, "kvwire.v1.PrefillService")
     port = await server.start(args.listen)
-    log.info("loading %s (weights %s, KV %s) ...", engine_cfg.model_dir, engine_cfg.weights.value,
-             engine_cfg.kv_dtype.value)
+    log.info("loading %s (weights %s, KV %s, %d compute threads) ...", engine_cfg.model_dir,
+             engine_cfg.weights.value, engine_cfg.kv_dtype.value, threads)
     engine = await asyncio.to_thread(load_engine, engine_cfg)
     runner = PrefillRunner(engine, engine_cfg.num_pages, prefix_caching=args.prefix_caching)
     metrics.watch_pool(runner.stats)  # KV pool use

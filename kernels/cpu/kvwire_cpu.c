@@ -243,6 +243,9 @@ void kvw_linear_f32(const float *x, int64_t rows, int64_t in, const float *w, in
  * Determinism as above: each element's sequence of operations is the same in every tile. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVW_VNNI 1
+#ifndef KVW_PF
+#define KVW_PF 2048
+#endif
 typedef struct {
     int8_t *q;  /* [rows, in] */
     float *s;  /* [rows, in / 4]: per 4 inputs (a vpdpbusd lane), their block's scale */
@@ -284,6 +287,7 @@ ALWAYS_INLINE void tile_i8a8(act8_t a, int64_t in, const int8_t *w, int64_t o0, 
     for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t i = 0; i < in; i += 64) {
+        _mm_prefetch((const char *)(w + i) + KVW_PF, _MM_HINT_T0);
         const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(w + i), flip);
         for (int r = 0; r < NR; r++) {
             const int64_t at = (r0 + r) * in + i;

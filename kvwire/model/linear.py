@@ -5,6 +5,10 @@ the weights at full memory bandwidth everywhere. Over many rows (prefill) it dep
 without native bf16 arithmetic (no AVX512-BF16 / AMX) it is ~5x slower
 than fp32, so bf16 weights are upcast; with it (this project's CI machines report AVX512-BF16)
 the bf16 matmul is ~3.5x faster than the upcast, so the activations are cast to bf16 instead.
+That matmul rounds its output to bf16 (8 bits of mantissa: logits near 25 land on steps of 0.125,
+so two tokens tie and greedy decoding picks by index). Below ``UPCAST_MIN_ROWS`` rows, where the
+weights' bandwidth decides the speed anyway, the CPU kernels (``kernels/cpu``) multiply bf16
+weights by fp32 activations with fp32 sums and output instead, when they are built.
 The choice comes from the CPU's feature flags, never from timing, so every process on a machine
 computes the same numbers. On a GPU the activations are cast to the weights' dtype.
 Quantized replacements (kvwire.model.quant) keep the same ``forward(x) -> y`` contract.
@@ -19,18 +23,25 @@ from torch import nn
 
 # Rows at or above which a bf16 weight is upcast to fp32 for the matmul (compute-bound regime).
 UPCAST_MIN_ROWS = 16
-# Output rows of a narrow weight upcast at a time. A whole 2048x5632 fp32 copy is past glibc's
-# mmap threshold, so every call page-faults it in fresh (~35 ms, vs ~2 ms for the conversion);
-# 512-row blocks (4 MiB at in=2048) are reused from the heap and stay near fp32 matmul speed.
-UPCAST_BLOCK_ROWS = 512
+# Bytes of converted weight per block. A whole 2048x5632 fp32 copy is past glibc's mmap threshold,
+# so every call page-faults it in fresh (~35 ms, vs ~2 ms for the conversion); 4 MiB blocks are
+# reused from the heap and stay near full matmul speed. Small models fit in one block (SmolLM2's
+# 3072x576 gate_up in bf16 is 3.4 MiB), so their wide matmuls need no concatenation.
+UPCAST_BLOCK_BYTES = 4 << 20
+
+
+def upcast_block_rows(w: torch.Tensor, dtype: torch.dtype) -> int:
+    """Output rows of ``w`` converted to ``dtype`` at a time (at least 64)."""
+    return max(64, UPCAST_BLOCK_BYTES // (w.shape[1] * dtype.itemsize))
 
 
 def upcast_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [rows, in] @ w[out, in].T in x's dtype, converting w a block of rows at a time."""
-    if w.shape[0] <= UPCAST_BLOCK_ROWS:
+    block = upcast_block_rows(w, x.dtype)
+    if w.shape[0] <= block:
         return F.linear(x, w.to(x.dtype))
-    return torch.cat([F.linear(x, w[i:i + UPCAST_BLOCK_ROWS].to(x.dtype))
-                      for i in range(0, w.shape[0], UPCAST_BLOCK_ROWS)], dim=1)  # [rows, out]
+    return torch.cat([F.linear(x, w[i:i + block].to(x.dtype))
+                      for i in range(0, w.shape[0], block)], dim=1)  # [rows, out]
 
 
 @functools.cache
@@ -38,6 +49,14 @@ def cpu_has_native_bf16() -> bool:
     cpu = torch.cpu
     return any(bool(getattr(cpu, flag, lambda: False)()) for flag in
                ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def _cpu_kernels(w: torch.Tensor):
+    """The CPU kernels module when it can multiply ``w`` (contiguous, on the CPU), else None."""
+    if w.device.type != "cpu" or not w.is_contiguous():
+        return None
+    from kernels import cpu  # the kernels build on first use
+    return cpu if cpu.available() else None
 
 
 class Linear(nn.Module):
@@ -52,7 +71,11 @@ class Linear(nn.Module):
         w = self.weight
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
-        if x.shape[0] >= UPCAST_MIN_ROWS and w.device.type == "cpu" and not cpu_has_native_bf16():
+        few_rows = x.shape[0] < UPCAST_MIN_ROWS
+        if few_rows and w.dtype == torch.bfloat16 and x.dtype == torch.float32 and _cpu_kernels(w):
+            b = None if self.bias is None else self.bias.float()
+            return _cpu_kernels(w).linear(x.contiguous(), w, bias=b)  # [rows, out] fp32, fp32 sums
+        if not few_rows and w.device.type == "cpu" and not cpu_has_native_bf16():
             y = upcast_linear(x, w)
             return y if self.bias is None else y + self.bias.to(x.dtype)
         b = None if self.bias is None else self.bias.to(w.dtype)

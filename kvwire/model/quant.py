@@ -147,7 +147,7 @@ class Int8Linear(nn.Module):
         # fp32 per-channel scales are applied to the [rows, out] result instead.
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight,
                                                self.unit_scale)  # [rows, out] bf16
-        y = y.float() * self.scale  # [rows, out]
+        y = y * self.scale  # [rows, out] fp32 (bf16 * fp32 promotes: one pass, no float copy)
         return y if self.bias is None else y + self.bias
 
     def _w8a8_per_token(self, x: torch.Tensor, packed) -> torch.Tensor:
@@ -165,7 +165,7 @@ class Int8Linear(nn.Module):
         # where the CPU has native bf16 arithmetic (activations rounded to bf16, as decode's
         # int8pack_mm does), fp32 elsewhere; chosen from CPU flags, so every process agrees.
         dt = compute_dtype(x.device)
-        y = upcast_linear(x.to(dt), self.weight).float() * self.scale  # [rows, out]
+        y = upcast_linear(x.to(dt), self.weight) * self.scale  # [rows, out] fp32 (promoted)
         return y if self.bias is None else y + self.bias
 
     def prepacked(self):

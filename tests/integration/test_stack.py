@@ -6,6 +6,7 @@ the three processes export.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 import pytest
@@ -19,7 +20,8 @@ from kvwire.sampling_params import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from tools.stack import Stack
+from kvwire.cli import usable_cpus
+from tools.stack import Stack, split_cpus
 
 PROMPTS = ["The for statement", "The while statement is used for", "A class definition",
            "Exceptions can be raised", "The import statement", "Lambda expressions",
@@ -53,6 +55,12 @@ def test_health_and_reflection_on_every_service(stack):
             assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
                 health_pb2.HealthCheckResponse.SERVING
             assert service in ProtoReflectionDescriptorDatabase(ch).get_services()
+
+
+@pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="OMP_NUM_THREADS set: the stack leaves threads to it")
+def test_prefill_and_decode_split_the_cores(stack):
+    for name, n in split_cpus(usable_cpus()).items():
+        assert f"{n} compute threads" in (stack.log_dir / f"{name}.log").read_text(), name
 
 
 def test_greedy_through_three_services_equals_in_process(stack):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels import cpu as cpu_kernels
 from kvwire.config import ModelConfig, QuantMode
 from kvwire.kv.dense import DenseKVCache
 from kvwire.model import quant
@@ -229,11 +230,28 @@ def test_tied_embeddings_stay_intact(mode):
 
 
 def test_blockwise_upcast_equals_whole_upcast():
-    from kvwire.model.linear import UPCAST_BLOCK_ROWS, upcast_linear
-    w = torch.randn(2 * UPCAST_BLOCK_ROWS + 37, 32).to(torch.bfloat16)  # a ragged last block
+    from kvwire.model.linear import upcast_block_rows, upcast_linear
+    w = torch.randn(2 * upcast_block_rows(torch.empty(1, 32), torch.float32) + 37, 32).to(torch.bfloat16)  # a ragged last block
     x = torch.randn(20, 32)
     torch.testing.assert_close(upcast_linear(x, w), F.linear(x, w.float()))
 
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason or "no CPU kernels")
+def test_bf16_linear_at_few_rows_sums_and_outputs_fp32():
+    """The LM head's row after a prompt, decode rows: a bf16 matmul would round each logit to bf16
+    (steps of 0.125 near 25), so near ties become exact ties and greedy decoding picks by index."""
+    from kvwire.model.linear import UPCAST_MIN_ROWS
+    lin = Linear(256, 512, bias=True)
+    lin.weight.data = (torch.randn(512, 256, generator=torch.Generator().manual_seed(8)) * 2).to(torch.bfloat16)
+    lin.bias.data = torch.randn(512).to(torch.bfloat16)
+    for rows in (1, UPCAST_MIN_ROWS - 1):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        ref = F.linear(x.double(), lin.weight.double(), lin.bias.double()).float()  # [rows, 512]
+        y = lin(x)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+        assert not torch.equal(y, y.to(torch.bfloat16).float())  # not bf16 values cast up
 
 # ---- activation outliers (what real checkpoints have and random weights do not) ---------------
 
