@@ -15,6 +15,7 @@ from kvwire.sampling_params import MAX_SPECULATIVE_TOKENS
 from kvwire.serving import GrpcServer, build_channel
 from kvwire.telemetry import setup_tracing, start_metrics_server
 from kvwire.files import LoadError
+from kvwire.model import gguf
 from kvwire.model.source import eos_token_ids, load_config
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.core import EngineCore
@@ -46,6 +47,7 @@ async def serve(args: argparse.Namespace) -> None:
     draft = await asyncio.to_thread(load_draft, args, engine_cfg, engine)
     runner = ModelRunner(engine, engine_cfg.num_pages, draft, prefix_caching=args.prefix_caching)
     await asyncio.to_thread(runner.warm_up)
+    gguf.forget_readers()  # everything read from a GGUF model file is loaded by now
     spec_cfg = SpecConfig(mode=SpeculativeMode(args.speculative), num_tokens=args.num_speculative_tokens,
                           adaptive=args.adaptive_speculation, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                           auto_off=args.speculative_auto_off, greedy_max_batch=args.speculative_greedy_max_batch)

@@ -7,6 +7,7 @@ import logging
 
 from kvwire import cli, metrics, security
 from kvwire.lazy import Lazy
+from kvwire.model import gguf
 from kvwire.runtime import load_engine
 from kvwire.serving import GrpcServer
 from kvwire.telemetry import setup_tracing, start_metrics_server
@@ -32,6 +33,7 @@ async def serve(args: argparse.Namespace) -> None:
     runner = PrefillRunner(engine, engine_cfg.num_pages, prefix_caching=args.prefix_caching)
     metrics.watch_pool(runner.stats)  # KV pool use
     await asyncio.to_thread(runner.warm_up)
+    gguf.forget_readers()  # everything read from a GGUF model file is loaded by now
     lazy.set(PrefillServicer(runner))
     await server.set_serving()
     log.info("prefill_svc SERVING on port %d", port)
