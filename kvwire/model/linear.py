@@ -9,8 +9,9 @@ That matmul rounds its output to bf16 (8 bits of mantissa: logits near 25 land o
 so two tokens tie and greedy decoding picks by index). Below ``UPCAST_MIN_ROWS`` rows, where the
 weights' bandwidth decides the speed anyway, the CPU kernels (``kernels/cpu``) multiply bf16
 weights by fp32 activations with fp32 sums and output instead, when they are built.
-The choice comes from the CPU's feature flags, never from timing, so every process on a machine
-computes the same numbers. On a GPU the activations are cast to the weights' dtype.
+The choice comes from the CPU's feature flags (and whether the CPU kernels are built, which
+``KVWIRE_CPU_KERNELS=0`` turns off), never from timing, so every process on a machine computes the
+same numbers. On a GPU the activations are cast to the weights' dtype.
 Quantized replacements (kvwire.model.quant) keep the same ``forward(x) -> y`` contract.
 """
 from __future__ import annotations
