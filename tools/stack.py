@@ -72,9 +72,6 @@ class Stack:
     prefill_pages: int = 1024
     extra: dict[str, list[str]] = field(default_factory=dict)  # per-service extra flags
     env: dict[str, str] = field(default_factory=dict)
-    # --threads for prefill_svc and decode_svc: split_cpus(this process's usable CPUs) unless given
-    # (here or in extra) or OMP_NUM_THREADS is set.
-    threads: dict[str, int] | None = None
     log_dir: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
@@ -90,7 +87,8 @@ class Stack:
             flags += ["--weights", self.weights, "--kv-dtype", self.kv_dtype, "--num-pages", str(pages)]
         if name == "decode_svc":
             flags += ["--prefill-addr", self.addr("prefill_svc")]
-        threads = self.threads or ({} if "OMP_NUM_THREADS" in {**os.environ, **self.env} else split_cpus(usable_cpus()))
+        # --threads: split_cpus(this process's usable CPUs), unless given in extra or OMP_NUM_THREADS is set
+        threads = {} if "OMP_NUM_THREADS" in {**os.environ, **self.env} else split_cpus(usable_cpus())
         if name in threads and "--threads" not in self.extra.get(name, []):
             flags += ["--threads", str(threads[name])]
         if name == "tokenizer_svc":

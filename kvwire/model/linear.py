@@ -73,9 +73,9 @@ class Linear(nn.Module):
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
         few_rows = x.shape[0] < UPCAST_MIN_ROWS
-        if few_rows and w.dtype == torch.bfloat16 and x.dtype == torch.float32 and _cpu_kernels(w):
+        if few_rows and w.dtype == torch.bfloat16 and x.dtype == torch.float32 and (kernels := _cpu_kernels(w)):
             b = None if self.bias is None else self.bias.float()
-            return _cpu_kernels(w).linear(x.contiguous(), w, bias=b)  # [rows, out] fp32, fp32 sums
+            return kernels.linear(x.contiguous(), w, bias=b)  # [rows, out] fp32, fp32 sums
         if not few_rows and w.device.type == "cpu" and not cpu_has_native_bf16():
             y = upcast_linear(x, w)
             return y if self.bias is None else y + self.bias.to(x.dtype)
