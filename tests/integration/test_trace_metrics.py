@@ -30,6 +30,9 @@ def stack(otlp_env, tmp_path_factory):
     metrics_ports = {name: free_port() for name in SERVICE_NAMES}
     s = Stack(decode_pages=256, prefill_pages=256, env=env, log_dir=tmp_path_factory.mktemp("logs"),
               extra={name: ["--metrics-port", str(port)] for name, port in metrics_ports.items()})
+    # The n-gram request below must propose whatever its lookup finds: priced proposals depend on
+    # this machine's measured row costs, and on a loaded 1-thread decode they may all be declined.
+    s.extra["decode_svc"] += ["--no-adaptive-speculation"]
     s.metrics_ports = metrics_ports
     try:
         with s:
