@@ -12,4 +12,4 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,bench]"
 if [ -f protos/generate.py ]; then .venv/bin/python -m protos.generate; fi
 # Compile the CPU decode kernels for this machine now (seconds), not in the first process that needs them.
-.venv/bin/python -m kernels.cpu
+.venv/bin/python -m kvwire_kernels.cpu

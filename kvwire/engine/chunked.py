@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvwire.kv.dense import attention_mask, sdpa_gqa
-from kernels import dispatch
+from kvwire_kernels import dispatch
 
 
 class PrefixPrefill:

@@ -31,8 +31,8 @@ from kvwire.config import KVDtype, ModelConfig
 from kvwire.kv.dense import attention_mask, sdpa_gqa
 from kvwire.kv.pool import RELEASED, BlockTables, OutOfPages, PagePool
 from kvwire.kv.spec import FORMAT_VERSION, KVPageSpec
-from kernels import dispatch
-from kernels.reference import SCALE_DTYPE
+from kvwire_kernels import dispatch
+from kvwire_kernels.reference import SCALE_DTYPE
 
 TORCH_KV_DTYPES = {KVDtype.FP8_E4M3: torch.float8_e4m3fn, KVDtype.BF16: torch.bfloat16}
 # Above this many new tokens after context, one sequence's queries attend through dequantize +

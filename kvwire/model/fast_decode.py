@@ -1,4 +1,4 @@
-"""The decode step in two C calls (``kernels/cpu``), for the steps that decide speed.
+"""The decode step in two C calls (``kvwire_kernels/cpu``), for the steps that decide speed.
 
 A decode or speculative-verification step (every token of the step comes after context already in
 the paged cache) costs, in eager PyTorch, some thirty small torch ops per layer, and on a small
@@ -13,10 +13,10 @@ by matvec kernels that stream them once for all rows of the step, and attention 
 in place (no dequantized copy of the context); a second call is the final norm's LM head. The math
 is ``kvwire.model.model``'s. Activations stay fp32 (the PyTorch int8 and bf16 paths round them to
 bf16), except into int8 layers on CPUs with AVX512-VNNI: there they are quantized to int8 per block
-of 32 values, as llama.cpp's q8_0 does, and multiplied in int8 (``kernels.cpu.int8_activations``;
+of 32 values, as llama.cpp's q8_0 does, and multiplied in int8 (``kvwire_kernels.cpu.int8_activations``;
 ``KVWIRE_INT8_ACTIVATIONS=0`` keeps fp32), which measured +0.75% perplexity on SmolLM2-135M-Instruct
 (``python -m bench accuracy``) for about twice the matvec speed. K/V bytes written are
-``kernels.reference.write_kv``'s bit for bit.
+``kvwire_kernels.reference.write_kv``'s bit for bit.
 Every row's result is independent of the other rows of the step (see the C file), so verifying
 k + 1 tokens gives each the logits of decoding it alone.
 
@@ -29,7 +29,7 @@ import ctypes
 
 import torch
 
-from kernels import cpu
+from kvwire_kernels import cpu
 from kvwire.model.linear import Linear
 from kvwire.model.model import rope_cos_sin
 
@@ -50,7 +50,7 @@ def linear_desc(module: torch.nn.Module, keep: list) -> cpu.LinearDesc | None:
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     wt = cpu.WEIGHT_TYPES[w.dtype]
     if w.dtype == torch.int8 and scale is not None and w.shape[1] % 64 == 0 and cpu.int8_activations():
-        wt = cpu.WT_I8A8  # int8 x int8 (VNNI), activations per block of 32 (see kernels/cpu.py)
+        wt = cpu.WT_I8A8  # int8 x int8 (VNNI), activations per block of 32 (see kvwire_kernels/cpu.py)
     return cpu.LinearDesc(ptr(tensors[0]), ptr(tensors[1]), ptr(tensors[2]), w.shape[1], w.shape[0], wt)
 
 

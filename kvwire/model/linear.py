@@ -7,7 +7,7 @@ than fp32, so bf16 weights are upcast; with it (this project's CI machines repor
 the bf16 matmul is ~3.5x faster than the upcast, so the activations are cast to bf16 instead.
 That matmul rounds its output to bf16 (8 bits of mantissa: logits near 25 land on steps of 0.125,
 so two tokens tie and greedy decoding picks by index). Below ``UPCAST_MIN_ROWS`` rows, where the
-weights' bandwidth decides the speed anyway, the CPU kernels (``kernels/cpu``) multiply bf16
+weights' bandwidth decides the speed anyway, the CPU kernels (``kvwire_kernels/cpu``) multiply bf16
 weights by fp32 activations with fp32 sums and output instead, when they are built.
 The choice comes from the CPU's feature flags (and whether the CPU kernels are built, which
 ``KVWIRE_CPU_KERNELS=0`` turns off), never from timing, so every process on a machine computes the
@@ -56,7 +56,7 @@ def _cpu_kernels(w: torch.Tensor):
     """The CPU kernels module when it can multiply ``w`` (contiguous, on the CPU), else None."""
     if w.device.type != "cpu" or not w.is_contiguous():
         return None
-    from kernels import cpu  # the kernels build on first use
+    from kvwire_kernels import cpu  # the kernels build on first use
     return cpu if cpu.available() else None
 
 

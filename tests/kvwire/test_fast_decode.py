@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu
+from kvwire_kernels import cpu
 from kvwire.config import KVDtype, QuantMode
 from kvwire.runtime import EngineConfig, load_engine
 
@@ -88,7 +88,7 @@ def test_int8_layers_take_int8_activations_where_the_cpu_has_vnni(monkeypatch):
 def test_disabled_by_environment(monkeypatch):
     import subprocess
     import sys
-    code = "from kernels import cpu; print(cpu.available(), cpu.unavailable_reason)"
+    code = "from kvwire_kernels import cpu; print(cpu.available(), cpu.unavailable_reason)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "KVWIRE_CPU_KERNELS": "0"}).stdout
     assert out.startswith("False disabled by KVWIRE_CPU_KERNELS=0")

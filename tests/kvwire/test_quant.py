@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import cpu as cpu_kernels
+from kvwire_kernels import cpu as cpu_kernels
 from kvwire.config import ModelConfig, QuantMode
 from kvwire.kv.dense import DenseKVCache
 from kvwire.model import quant

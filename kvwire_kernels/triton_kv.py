@@ -1,4 +1,4 @@
-"""Triton kernels for KV pages, with the signatures of ``kernels.reference`` (the spec).
+"""Triton kernels for KV pages, with the signatures of ``kvwire_kernels.reference`` (the spec).
 
 Rounding: the kernels never use Triton's fp8/bf16 casts. They read and write pages through
 integer views (uint8 for fp8 e4m3, int16 for bf16) and do the float <-> bits conversion with
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_MAX, SCALE_FLOOR
+from kvwire_kernels.reference import FP8_MAX, SCALE_FLOOR
 
 
 # Reductions are tl.reduce with triton's own combine functions rather than tl.sum / tl.max: those
@@ -122,7 +122,7 @@ def _int_view(pages: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping) -> None:
-    """See ``kernels.reference.write_kv``."""
+    """See ``kvwire_kernels.reference.write_kv``."""
     num_tokens = slot_mapping.numel()
     if num_tokens == 0:
         return
@@ -153,7 +153,7 @@ def _dequant_kernel(pages, scales, page_ids, out, num_kv_heads, BLOCK: tl.conste
 
 
 def dequantize_pages(pages, scales, page_ids) -> torch.Tensor:
-    """See ``kernels.reference.dequantize_pages``: float32 [n, num_kv_heads, block_size, head_dim]."""
+    """See ``kvwire_kernels.reference.dequantize_pages``: float32 [n, num_kv_heads, block_size, head_dim]."""
     _, num_kv_heads, block, head_dim = pages.shape
     ids = page_ids.to(torch.int64).contiguous()
     out = torch.empty((ids.numel(), num_kv_heads, block, head_dim), dtype=torch.float32,
@@ -214,7 +214,7 @@ def _decode_attn_kernel(q, k_pages, v_pages, k_scale, v_scale, tables, ctx_lens,
 
 def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context_lens,
                            window, sm_scale) -> torch.Tensor:
-    """See ``kernels.reference.paged_decode_attention``. q: [S, H, D] -> [S, H, D]."""
+    """See ``kvwire_kernels.reference.paged_decode_attention``. q: [S, H, D] -> [S, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block, _ = k_pages.shape
     ratio = num_heads // num_kv_heads

@@ -1,13 +1,13 @@
-"""The CPU decode kernels (``kernels/cpu/kvwire_cpu.c``): built on first use, called through ctypes.
+"""The CPU decode kernels (``kvwire_kernels/cpu/kvwire_cpu.c``): built on first use, called through ctypes.
 
 The C file is compiled for this machine (``-march=native``: AVX-512 where the CPU has it, AVX2
 otherwise) into a cache directory keyed by the source, the compiler and the CPU's flags, so a
 machine never runs a binary built for another CPU. Building takes seconds and needs only gcc (or
 ``$CC``). Where there is no compiler (the container image), prebuilt binaries for the x86-64-v4
-(AVX-512, with and without VNNI) and x86-64-v3 (AVX2) levels (``python -m kernels.cpu --prebuild DIR``, run when the
+(AVX-512, with and without VNNI) and x86-64-v3 (AVX2) levels (``python -m kvwire_kernels.cpu --prebuild DIR``, run when the
 image is built) are used, the best one this CPU's flags allow. When neither works, or with
 ``KVWIRE_CPU_KERNELS=0``, ``library()`` is None and callers keep the PyTorch path
-(``kernels.reference`` / ``torch.nn.functional``), which is also what the tests check these
+(``kvwire_kernels.reference`` / ``torch.nn.functional``), which is also what the tests check these
 kernels against. ``KVWIRE_CPU_KERNELS=1`` makes their absence an error instead.
 
 torch is imported first on purpose: the library links ``libgomp.so.1``, and the dynamic loader then
@@ -123,7 +123,7 @@ def _prebuilt() -> Path:
         if flags.issuperset(need) and path.exists():
             return path
     raise RuntimeError("no C compiler (gcc) on PATH and no prebuilt kernels for this CPU "
-                       "(python -m kernels.cpu --prebuild DIR)")
+                       "(python -m kvwire_kernels.cpu --prebuild DIR)")
 
 
 def prebuild(root: Path) -> list[Path]:
@@ -229,7 +229,7 @@ def quantize_act8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def linear_i8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """``kernels.reference.linear_i8a8`` (within fp32 round-off): x [rows, in] fp32 quantized per
+    """``kvwire_kernels.reference.linear_i8a8`` (within fp32 round-off): x [rows, in] fp32 quantized per
     block of 32, times int8 w [out, in] with per-row scale [out] -> [rows, out] fp32 (VNNI builds)."""
     _check(x, torch.float32, "x")
     _check(w, torch.int8, "w")
@@ -273,7 +273,7 @@ def rope_split(qkv: torch.Tensor, h: int, hkv: int, d: int, cos: torch.Tensor, s
 
 
 def write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping) -> None:
-    """``kernels.reference.write_kv``, bit for bit."""
+    """``kvwire_kernels.reference.write_kv``, bit for bit."""
     _check(k_new, torch.float32, "k_new")
     _check(v_new, torch.float32, "v_new")
     _check(slot_mapping, torch.int64, "slot_mapping")
@@ -290,7 +290,7 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool
 
 def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context_lens, window, sm_scale,
                     threads: int | None = None) -> torch.Tensor:
-    """``kernels.reference.paged_decode_attention`` (within fp32 round-off), reading pages in place."""
+    """``kvwire_kernels.reference.paged_decode_attention`` (within fp32 round-off), reading pages in place."""
     _check(q, torch.float32, "q")
     _check(block_tables, torch.int32, "block_tables")
     _check(context_lens, torch.int32, "context_lens")
@@ -308,7 +308,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m kernels.cpu", description="Build the CPU decode kernels.")
+    ap = argparse.ArgumentParser(prog="python -m kvwire_kernels.cpu", description="Build the CPU decode kernels.")
     ap.add_argument("--prebuild", type=Path, metavar="DIR", help="compile the portable x86-64-v4-vnni/v4/v3 binaries into DIR")
     args = ap.parse_args()
     if args.prebuild:

@@ -1,6 +1,6 @@
 /* kvwire's CPU decode kernels: the few ops a decode step spends its time in, for few rows.
  *
- * Built at first use by kernels/cpu_build.py with the machine's own flags (-march=native), so the
+ * Built at first use by kvwire_kernels/cpu.py with the machine's own flags (-march=native), so the
  * 16-wide vectors below become AVX-512 registers where the CPU has them and pairs of AVX2 registers
  * where it does not. Plain C (GCC vector extensions; intrinsics only for byte widening and the
  * AVX512-VNNI int8 dot products; no torch headers): it compiles in about a second and is called
@@ -15,7 +15,7 @@
  *   x [rows, in] fp32; weights [out, in] int8 (per-output-row fp32 scale), bf16 (uint16 bits,
  *   optional scale) or fp32; y [rows, out] fp32.
  *   KV pages [num_pages, num_kv_heads, block_size, head_dim] fp8 e4m3 (bytes) or bf16 (uint16),
- *   scales [num_pages, num_kv_heads, block_size] bf16 bits (fp8 only); see kernels/reference.py.
+ *   scales [num_pages, num_kv_heads, block_size] bf16 bits (fp8 only); see kvwire_kernels/reference.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -233,7 +233,7 @@ void kvw_linear_f32(const float *x, int64_t rows, int64_t in, const float *w, in
 /* ---- int8 x int8 linear (AVX512-VNNI): y = sum over blocks of 32 of s_x * (q_x . q_w), * w scale --
  * The activation rows are quantized as llama.cpp's q8_0 does: blocks of 32 values, symmetric int8,
  * one fp32 scale per block (amax / 127; q = round-to-nearest-even(x * (127 / amax)); a zero block
- * has scale 0 and q 0), which kernels.reference.quantize_act8 reproduces bit for bit. The weights
+ * has scale 0 and q 0), which kvwire_kernels.reference.quantize_act8 reproduces bit for bit. The weights
  * keep their per-output-row int8 and scale. vpdpbusd multiplies unsigned by signed bytes, so the
  * weights go in as (w + 128) (a byte xor); what that adds, 128 * sum_b s_b * sum(q_b), depends on
  * the activation row only and is subtracted once per output (k below).
@@ -387,7 +387,7 @@ void kvw_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
         }
 }
 
-/* ---- KV writes: bit-exact with kernels/reference.py write_kv -------------------------------- */
+/* ---- KV writes: bit-exact with kvwire_kernels/reference.py write_kv -------------------------------- */
 
 /* fp32 -> float8_e4m3fn, round to nearest even (c10's fp8e4m3fn_from_fp32_value). The caller
  * has clamped to +-448, so the out-of-range (NaN) branch is never taken for written values. */

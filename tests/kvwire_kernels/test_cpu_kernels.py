@@ -1,6 +1,6 @@
-"""The CPU decode kernels (kernels/cpu) against the PyTorch references they replace.
+"""The CPU decode kernels (kvwire_kernels/cpu) against the PyTorch references they replace.
 
-KV writes must be bit-identical to ``kernels.reference.write_kv`` (pages go on the wire and into
+KV writes must be bit-identical to ``kvwire_kernels.reference.write_kv`` (pages go on the wire and into
 checksums); matmuls and attention agree within float32 round-off; and every row's result must not
 depend on how many rows share the call (speculative verification relies on it).
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu, reference
+from kvwire_kernels import cpu, reference
 from kvwire.kv.pool import RELEASED
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=cpu.unavailable_reason or "")
@@ -178,7 +178,7 @@ def _probe(env: dict) -> str:
     import os
     import subprocess
     import sys
-    code = "from kernels import cpu; lib = cpu.library(); print(lib._name if lib else 'None', cpu.unavailable_reason)"
+    code = "from kvwire_kernels import cpu; lib = cpu.library(); print(lib._name if lib else 'None', cpu.unavailable_reason)"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, **env}).stdout.strip()
 

@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from kernels import reference
+from kvwire_kernels import reference
 
 _triton_kv: types.ModuleType | None = None
 _triton_tried = False
@@ -24,7 +24,7 @@ def _impl(t: torch.Tensor) -> types.ModuleType:
     if not _triton_tried:
         _triton_tried = True
         try:
-            from kernels import triton_kv
+            from kvwire_kernels import triton_kv
             _triton_kv = triton_kv
         except Exception:  # noqa: BLE001 - no triton, or no usable backend: the reference runs on CUDA too
             _triton_kv = None
@@ -32,18 +32,18 @@ def _impl(t: torch.Tensor) -> types.ModuleType:
 
 
 def write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping) -> None:
-    """Quantize and write new K/V into their slots, in place (see ``kernels.reference.write_kv``)."""
+    """Quantize and write new K/V into their slots, in place (see ``kvwire_kernels.reference.write_kv``)."""
     _impl(k_pages).write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping)
 
 
 def dequantize_pages(pages, scales, page_ids) -> torch.Tensor:
-    """float32 [n, num_kv_heads, block_size, head_dim] (see ``kernels.reference.dequantize_pages``)."""
+    """float32 [n, num_kv_heads, block_size, head_dim] (see ``kvwire_kernels.reference.dequantize_pages``)."""
     return _impl(pages).dequantize_pages(pages, scales, page_ids)
 
 
 def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context_lens,
                            window, sm_scale) -> torch.Tensor:
-    """One query per row, GQA over pages (see ``kernels.reference.paged_decode_attention``).
+    """One query per row, GQA over pages (see ``kvwire_kernels.reference.paged_decode_attention``).
 
     A row is a sequence's block table plus the query's context length, so several queries of
     one sequence (a speculative verification) are several rows sharing a table, in one call."""

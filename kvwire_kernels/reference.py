@@ -16,7 +16,7 @@ most of q.k, and a power-of-two scale (E8M0), which leaves the largest value an 
 rounding, measured about twice the perplexity cost on SmolLM2-135M. A scale of 0 (an empty slot)
 dequantizes to 0.
 
-``kernels.triton_kv`` implements the same functions and is tested bit-for-bit against these (for
+``kvwire_kernels.triton_kv`` implements the same functions and is tested bit-for-bit against these (for
 writes and dequantization) and within float32 round-off (for attention).
 """
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """KV page kernels: the PyTorch reference against first principles, Triton against the reference.
 
 Triton has no CPU backend; TRITON_INTERPRET=1 runs the kernels on CPU tensors. triton.jit reads
-the variable when it decorates a kernel, and ``kernels.triton_kv`` may already have been imported
+the variable when it decorates a kernel, and ``kvwire_kernels.triton_kv`` may already have been imported
 in this process without it, so this module loads its own interpreted copy of the kernel file
 (the kernels avoid triton's own jit helpers such as tl.sum for the same reason: see there).
 
-Tolerances: the kernels round with explicit bit arithmetic (see kernels/triton_kv.py), so writes
+Tolerances: the kernels round with explicit bit arithmetic (see kvwire_kernels/triton_kv.py), so writes
 and dequantization must match the reference byte for byte; attention only differs in float32
 summation order (online softmax), hence rtol = atol = 1e-5.
 """
@@ -21,12 +21,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import kernels  # noqa: E402
+import kvwire_kernels  # noqa: E402
 from kvwire.kv.dense import attention_mask, sdpa_gqa  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+from kvwire_kernels import reference as ref  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("_triton_kv_interpreted",
-                                               Path(kernels.__file__).parent / "triton_kv.py")
+                                               Path(kvwire_kernels.__file__).parent / "triton_kv.py")
 tkv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tkv)
 
