@@ -38,7 +38,7 @@ _V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma",
 LEVELS = {"x86-64-v4-vnni": (_V4 + ("avx512_vnni",)), "x86-64-v4": _V4,
           "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
 MARCH = {"x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}  # compiler flags, where not -march=LEVEL
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -53,11 +53,13 @@ SIGNATURES = {
     "kvw_paged_attention": [P, I64, I64, I64, I64, P, P, P, P, I64, P, I64, P, I64, F32, P, I32, I32],
     "kvw_linear_i8a8": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_quantize_act8": [P, I64, I64, P, P, P],
+    "kvw_gemm_i8a8": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
 }
 WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C file's WT_* codes
 WT_I8A8 = 3  # int8 weights x int8 activations (blocks of 32), AVX512-VNNI builds only
+WT_I8A8_PACKED = 4  # the same, weights as pack_i8a8 lays them out (kvw_gemm_i8a8)
 
 
 class LinearDesc(ctypes.Structure):
@@ -241,6 +243,35 @@ def linear_i8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     y = torch.empty(x.shape[0], w.shape[0])
     library().kvw_linear_i8a8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(),
                               scale.data_ptr(), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())
+    return y
+
+
+def pack_i8a8(w: torch.Tensor) -> torch.Tensor:
+    """int8 w [out, in] -> the layout kvw_gemm_i8a8 reads: [out / 16, in / 4, 16, 4] uint8, each byte
+    w ^ 0x80 (out % 16 == 0, in % 64 == 0). One vector of 64 bytes: 16 outputs x 4 inputs."""
+    _check(w, torch.int8, "w")
+    out, n = w.shape
+    if out % 16 or n % 64:
+        raise ValueError(f"pack_i8a8: out_features % 16 and in_features % 64 must be 0, got {out}, {n}")
+    packed = w.view(out // 16, 16, n // 4, 4).permute(0, 2, 1, 3).contiguous().view(torch.uint8)
+    return packed.bitwise_xor_(0x80)  # [out / 16, in / 4, 16, 4]
+
+
+def gemm_i8a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """``linear_i8a8`` for many rows (prefill): the same numbers, within fp32 round-off, from the
+    weights as ``pack_i8a8`` lays them out -> [rows, out] fp32 (VNNI builds)."""
+    _check(x, torch.float32, "x")
+    _check(packed, torch.uint8, "packed")
+    groups, quads, _, _ = packed.shape
+    if x.shape[1] != 4 * quads:
+        raise ValueError(f"gemm_i8a8: x has {x.shape[1]} inputs, the packed weight {4 * quads}")
+    for t, name in ((scale, "scale"), (bias, "bias"), (residual, "residual")):
+        if t is not None:
+            _check(t, torch.float32, name)
+    y = torch.empty(x.shape[0], 16 * groups)
+    library().kvw_gemm_i8a8(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), 16 * groups, y.data_ptr(),
+                            scale.data_ptr(), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())
     return y
 
 

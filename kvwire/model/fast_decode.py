@@ -37,6 +37,13 @@ from kvwire.model.model import rope_cos_sin
 def linear_desc(module: torch.nn.Module, keep: list) -> cpu.LinearDesc | None:
     """A Linear, Int8Linear or Fp8Linear on CPU as the C side reads it (by the tensors it holds),
     or None for anything else. Tensors whose pointers are taken are appended to ``keep``."""
+    packed = getattr(module, "packed", None)
+    if isinstance(packed, torch.Tensor) and packed.device.type == "cpu" and packed.is_contiguous():
+        # int8 weights in kvw_gemm_i8a8's layout (kvwire.model.quant.vnni_layout): int8 activations
+        keep.extend(t for t in (packed, module.scale, module.bias) if t is not None)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return cpu.LinearDesc(packed.data_ptr(), ptr(module.scale), ptr(module.bias), module.in_features,
+                              module.out_features, cpu.WT_I8A8_PACKED)
     w = getattr(module, "weight", None)
     if not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.dtype not in cpu.WEIGHT_TYPES \
             or w.dim() != 2 or not w.is_contiguous():
@@ -65,7 +72,7 @@ class FastDecode:
         self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.vocab = head.out_features
-        self._head_fn = lib.kvw_linear_i8a8 if head.wt == cpu.WT_I8A8 else \
+        self._head_fn = {cpu.WT_I8A8: lib.kvw_linear_i8a8, cpu.WT_I8A8_PACKED: lib.kvw_gemm_i8a8}.get(head.wt) or \
             getattr(lib, cpu.LINEAR_FN[model.lm_head.weight.dtype])
 
     @classmethod

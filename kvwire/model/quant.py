@@ -9,22 +9,32 @@ run on a GPU):
 mode  rows                   op                                               numerics
 bf16  any, bf16 CPU / GPU    bf16 F.linear (Linear)                           W16A16
       >= UPCAST_MIN_ROWS     other CPUs: bf16 weight upcast to fp32           W16A32
-int8  < W8A8_MIN_ROWS        aten._weight_int8pack_mm(x bf16, w int8)         W8A16, fp32 scales
+int8  any, VNNI CPU          kvw_gemm_i8a8 (kvwire_kernels/cpu): activations  W8A8, act. per
+                             quantized per block of 32 (llama.cpp's q8_0),    block of 32
+                             int8 x int8 sums; the weight is stored only in
+                             that kernel's layout (vnni_layout)
+      other CPUs, GPU:
+      < W8A8_MIN_ROWS        aten._weight_int8pack_mm(x bf16, w int8)         W8A16, fp32 scales
       >= W8A8_MIN_ROWS       int8 weight -> bf16 a block of rows at a time,   W8A16
                              bf16 F.linear (bf16 CPU, GPU; fp32 elsewhere)    (W8A32)
       W8A8_LAYERS only       quantized::linear_dynamic (fbgemm) on rows       W8A8, per-token act.
                              scaled to absmax 1 (off by default, see below)
       (in_features % 16 != 0: no int8pack_mm; every row count takes the wide line)
+      ("VNNI CPU": CPU kernels built with AVX512-VNNI, KVWIRE_INT8_ACTIVATIONS not 0, out % 16 == 0
+      and in % 64 == 0; W8A8_LAYERS keep fbgemm)
 fp8   decode, bf16 CPU, GPU  e4m3 weight (its exact bf16 image on CPU) x      W8A16, fp32 scales
                              bf16 activations, bf16 F.linear
       >= UPCAST_MIN_ROWS     other CPUs: the same weight upcast to fp32       W8A32
 
 Decode and speculative-verification steps on CPU do not come here: the fused step
-(``kvwire.model.fast_decode``) reads the same int8 weights, and on CPUs with AVX512-VNNI quantizes
-their activations to int8 per block of 32 (llama.cpp's q8_0 activations) and multiplies in int8;
-measured with ``python -m bench accuracy --model smollm2-135m-instruct --max-tokens 4096``
-(2-core AMD EPYC, AVX-512 VNNI), int8/bf16 perplexity went from 16.918 to 17.045 (+0.75%; +0.66%
-against bf16/bf16, inside int8's +1% budget and below llama.cpp q8_0's 17.070).
+(``kvwire.model.fast_decode``) reads the same int8 weights through the same kernel on CPUs with
+AVX512-VNNI, so prompts and decode steps compute alike. Blocks of 32 confine an outlier channel to
+its own block, where one scale per token lets it round every other channel away. Measured with
+``python -m bench accuracy --model smollm2-135m-instruct --max-tokens 4096`` (2-core AMD EPYC,
+AVX-512 VNNI): int8/bf16 perplexity 16.999, +0.38% against bf16/bf16 (inside int8's +1% budget,
+below llama.cpp q8_0's 17.070); with decode steps on int8 activations but prompts on the bf16
+weight-only path it was 17.040, and with fp32 activations everywhere 16.918. On that CPU the
+kernel ran a 129-token prompt's matmuls about 1.6x faster than the bf16 path below, at 1 thread.
 
 Per-token activations are not quantized here because this model family's activations have outlier
 input channels (see W8A8_LAYERS for the measurements). fp8 weights are weight-only for the same
@@ -118,20 +128,32 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scale = quantize_int8(weight) if quantized is None else quantized
         self.out_features, self.in_features = q.shape
-        self.register_buffer("weight", q)  # [out, in] int8
+        self.use_w8a8 = act_quant and q.device.type == "cpu"
+        # On CPUs that multiply int8 by int8 (see vnni_layout) the weight is kept only in the layout
+        # of kvw_gemm_i8a8, which every CPU call (prefill and the fused decode step) then takes;
+        # elsewhere only [out, in]. One copy either way; int8_weight() gives [out, in] back.
+        packed = None if self.use_w8a8 else vnni_layout(q)
+        self.register_buffer("packed", packed)  # [out / 16, in / 4, 16, 4] uint8 (w ^ 0x80), or None
+        self.register_buffer("weight", q if packed is None else None)  # [out, in] int8, or None
         self.register_buffer("scale", scale)  # [out] fp32
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("unit_scale", torch.ones(self.out_features, dtype=torch.bfloat16,
                                                       device=q.device), persistent=False)
         self.reduce_range = default_reduce_range() if reduce_range is None else reduce_range
-        # Wide inputs: per-token W8A8 through fbgemm when set (layers whose input comes straight out
-        # of an RMSNorm, see W8A8_LAYERS), weight-only otherwise. Tests and hosts without a
-        # quantized engine set use_w8a8 False to force the weight-only path.
-        self.use_w8a8 = act_quant and q.device.type == "cpu"
+        # Wide inputs: per-token W8A8 through fbgemm when use_w8a8 is set (layers whose input comes
+        # straight out of an RMSNorm, see W8A8_LAYERS), weight-only otherwise. Tests and hosts
+        # without a quantized engine set use_w8a8 False to force the weight-only path.
         self._packed = None  # fbgemm prepacked copy, built on the first wide call (see prepacked)
+
+    def int8_weight(self) -> torch.Tensor:
+        """The weight as [out, in] int8, whichever layout it is stored in."""
+        return self.weight if self.packed is None else unpack_vnni(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] fp32 -> [rows, out] fp32
+        if self.packed is not None and x.device.type == "cpu":
+            from kvwire_kernels import cpu
+            return cpu.gemm_i8a8(x.float().contiguous(), self.packed, self.scale, self.bias)  # [rows, out] fp32
         if (x.shape[0] < W8A8_MIN_ROWS and x.device.type == "cpu"
                 and self.in_features % INT8PACK_K_MULTIPLE == 0):
             return self._weight_only(x)
@@ -165,7 +187,7 @@ class Int8Linear(nn.Module):
         # where the CPU has native bf16 arithmetic (activations rounded to bf16, as decode's
         # int8pack_mm does), fp32 elsewhere; chosen from CPU flags, so every process agrees.
         dt = compute_dtype(x.device)
-        y = upcast_linear(x.to(dt), self.weight) * self.scale  # [rows, out] fp32 (promoted)
+        y = upcast_linear(x.to(dt), self.int8_weight()) * self.scale  # [rows, out] fp32 (promoted)
         return y if self.bias is None else y + self.bias
 
     def prepacked(self):
@@ -185,6 +207,23 @@ class Int8Linear(nn.Module):
             except (RuntimeError, NotImplementedError, AttributeError):
                 self.use_w8a8 = False
         return self._packed
+
+
+def vnni_layout(q: torch.Tensor) -> torch.Tensor | None:
+    """int8 q [out, in] in kvw_gemm_i8a8's layout, or None where that kernel does not run: not on
+    the CPU, no CPU kernels, no AVX512-VNNI or ``KVWIRE_INT8_ACTIVATIONS=0`` (the CPU's flags and
+    the environment, never timing, so every process on a machine computes the same numbers), or
+    a shape it does not take (out % 16, in % 64)."""
+    if q.device.type != "cpu" or q.shape[0] % 16 or q.shape[1] % 64:
+        return None
+    from kvwire_kernels import cpu
+    return cpu.pack_i8a8(q) if cpu.int8_activations() else None
+
+
+def unpack_vnni(packed: torch.Tensor) -> torch.Tensor:
+    """vnni_layout's inverse: [out / 16, in / 4, 16, 4] uint8 -> [out, in] int8."""
+    groups, quads, _, _ = packed.shape
+    return (packed ^ 0x80).permute(0, 2, 1, 3).contiguous().view(torch.int8).view(16 * groups, 4 * quads)
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:

@@ -94,6 +94,7 @@ static inline float f32_from(uint32_t b) { float f; memcpy(&f, &b, 4); return f;
 #define WT_BF16 1
 #define WT_F32 2
 #define WT_I8A8 3  /* int8 weights x int8 activations (kvw_linear_i8a8, VNNI builds only) */
+#define WT_I8A8_PACKED 4  /* the same, weights packed for kvw_gemm_i8a8 (VNNI builds only) */
 
 ALWAYS_INLINE f32x16 load_w(const void *w, int64_t i, const int wt) {
     if (wt == WT_I8) return load_i8((const int8_t *)w + i);
@@ -365,6 +366,86 @@ void kvw_linear_i8a8(const float *x, int64_t rows, int64_t in, const int8_t *w, 
 #endif
 }
 
+/* ---- int8 x int8 GEMM, AVX512-VNNI: kvw_linear_i8a8's numbers (within fp32 round-off) ------------
+ * (q8_0 activations per block of 32, per-row int8 weights and scales, the 128 * ... correction).
+ * What int8 layers run on VNNI CPUs, for prompts and the fused step alike; kvw_linear_i8a8 stays
+ * for weights in [out, in] order. The weights are repacked once (at load) so that one
+ * 512-bit vector holds 16 output rows x 4 consecutive inputs, the layout vpdpbusd sums over:
+ *     wp[o / 16][i / 4][o % 16][i % 4] = w[o][i] ^ 0x80   (unsigned, as kvw_linear_i8a8 flips them)
+ * A tile of 16 outputs x NR activation rows keeps its int32 sums in registers for a whole block
+ * of 32 inputs (8 vpdpbusd, each with the row's 4 activation bytes broadcast from memory), then
+ * converts once and adds block scale x sum to fp32 accumulators: 2 ops per 8 vpdpbusd, where the
+ * one-output-row kernel above needs 2 per vpdpbusd. A panel of 16 outputs is 16 x in contiguous
+ * bytes and panels follow each other, so at one row the weights are still one sequential stream.
+ * Measured (SmolLM2-135M shapes, 1 thread, 30 layers): 129 rows 98 ms against 158 for the bf16
+ * oneDNN path, 8 rows 5.5 ms against 13.0 for kvw_linear_i8a8. Each output element's operations
+ * are the same in every tile (NR) and thread split. Requires out % 16 == 0, in % 64 == 0. */
+#ifdef KVW_VNNI
+#define GEMM_NR 12
+ALWAYS_INLINE void gemm_tile(act8_t a, int64_t in, const uint8_t *wp, int64_t o0, int64_t r0, int64_t out,
+                             float *y, const float *scale, const float *bias, const float *res, const int NR) {
+    __m512 acc[GEMM_NR];
+    __m512i sum[GEMM_NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < in; b += 32) {
+        for (int r = 0; r < NR; r++) sum[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const __m512i wv = _mm512_loadu_si512(wp + (b / 4 + j) * 64);
+            for (int r = 0; r < NR; r++) {
+                int32_t q4; memcpy(&q4, a.q + (r0 + r) * in + b + 4 * j, 4);
+                sum[r] = _mm512_dpbusd_epi32(sum[r], wv, _mm512_set1_epi32(q4));
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(a.s[((r0 + r) * in + b) / 4]), acc[r]);
+    }
+    const __m512 sc = scale ? _mm512_loadu_ps(scale + o0) : _mm512_set1_ps(1.0f);
+    const __m512 bi = bias ? _mm512_loadu_ps(bias + o0) : _mm512_setzero_ps();
+    for (int r = 0; r < NR; r++) {
+        __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(acc[r], _mm512_set1_ps(a.k[r0 + r])), sc, bi);
+        float *yp = y + (r0 + r) * out + o0;
+        if (res) v = _mm512_add_ps(_mm512_loadu_ps(res + (r0 + r) * out + o0), v);
+        _mm512_storeu_ps(yp, v);
+    }
+}
+
+#define GEMM_CASE(N) case N: gemm_tile(a, in, panel, o, r, out, y, scale, bias, res, N); break;
+static void range_gemm(act8_t a, int64_t rows, int64_t in, const uint8_t *wp, int64_t out, int64_t g_begin,
+                       int64_t g_end, float *y, const float *scale, const float *bias, const float *res) {
+    /* One 16-output panel (16 x in bytes: L1-resident) against every row tile in turn. */
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const uint8_t *panel = wp + (size_t)g * 16 * in;
+        const int64_t o = g * 16;
+        for (int64_t r = 0; r < rows; r += GEMM_NR) {
+            switch (rows - r < GEMM_NR ? rows - r : GEMM_NR) {
+                GEMM_CASE(1) GEMM_CASE(2) GEMM_CASE(3) GEMM_CASE(4) GEMM_CASE(5) GEMM_CASE(6)
+                GEMM_CASE(7) GEMM_CASE(8) GEMM_CASE(9) GEMM_CASE(10) GEMM_CASE(11)
+                default: gemm_tile(a, in, panel, o, r, out, y, scale, bias, res, GEMM_NR); break;
+            }
+        }
+    }
+}
+#endif
+
+/* y [rows, out] = (q8_0(x) . w) * scale + bias + res, w packed as above (kvwire_kernels.cpu.pack_i8a8; VNNI builds). */
+void kvw_gemm_i8a8(const float *x, int64_t rows, int64_t in, const uint8_t *wp, int64_t out, float *y,
+                   const float *scale, const float *bias, const float *res, int nthreads) {
+#ifdef KVW_VNNI
+    act8_t a = {malloc((size_t)rows * in), malloc((size_t)rows * in), malloc(sizeof(float) * rows)};
+    quantize_act8(x, rows, in, a);
+    const int64_t groups = out / 16;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        range_gemm(a, rows, in, wp, out, groups * id / nt, groups * (id + 1) / nt, y, scale, bias, res);
+    }
+    free(a.q); free(a.s); free(a.k);
+#else
+    (void)x; (void)rows; (void)in; (void)wp; (void)out; (void)y; (void)scale; (void)bias; (void)res; (void)nthreads;
+    abort();
+#endif
+}
+
 /* ---- small row ops -------------------------------------------------------------------------- */
 
 /* y = x / sqrt(mean(x^2) + eps) * w, per row. */
@@ -564,8 +645,11 @@ typedef struct {
 
 void kvw_linear_i8a8(const float *x, int64_t rows, int64_t in, const int8_t *w, int64_t out, float *y,
                      const float *scale, const float *bias, const float *res, int nthreads);
+void kvw_gemm_i8a8(const float *x, int64_t rows, int64_t in, const uint8_t *wp, int64_t out, float *y,
+                   const float *scale, const float *bias, const float *res, int nthreads);
 static void run_linear(const kvw_linear_t *l, const float *x, int64_t rows, float *y, const float *res, int nthreads) {
     if (l->wt == WT_I8A8) { kvw_linear_i8a8(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
+    if (l->wt == WT_I8A8_PACKED) { kvw_gemm_i8a8(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
     linear(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads, (int)l->wt);
 }
 
@@ -602,4 +686,4 @@ void kvw_decode_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, 
     free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(gu); free(act);
 }
 
-int kvw_abi_version(void) { return 3; }
+int kvw_abi_version(void) { return 4; }

@@ -79,7 +79,8 @@ def test_int8_layers_take_int8_activations_where_the_cpu_has_vnni(monkeypatch):
     rt = runtime("int8", "fp8_e4m3")
     fast = rt.model.step_fn
     kinds = {d.wt for layer in fast.layers for d in (layer.qkv, layer.o, layer.gate_up, layer.down)} | {fast.head.wt}
-    assert kinds == ({cpu.WT_I8A8} if cpu.library().kvw_has_vnni() else {cpu.WEIGHT_TYPES[torch.int8]})
+    # VNNI: the weights are stored only in the packed GEMM's layout (kvwire.model.quant.vnni_layout)
+    assert kinds == ({cpu.WT_I8A8_PACKED} if cpu.library().kvw_has_vnni() else {cpu.WEIGHT_TYPES[torch.int8]})
     monkeypatch.setenv("KVWIRE_INT8_ACTIVATIONS", "0")
     fp32_acts = runtime("int8", "fp8_e4m3").model.step_fn
     assert {layer.down.wt for layer in fp32_acts.layers} == {cpu.WEIGHT_TYPES[torch.int8]}

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvwire_kernels import cpu as cpu_kernels
+from kvwire_kernels import reference as cpu_reference
 from kvwire.config import ModelConfig, QuantMode
 from kvwire.kv.dense import DenseKVCache
 from kvwire.model import quant
 from kvwire.model.linear import Linear
 from kvwire.model.model import Transformer
-from kvwire.model.quant import (Fp8Linear, Int8Linear, load_quantizer, quantize_model, quantize_pieces,
+from kvwire.model.quant import (Fp8Linear, Int8Linear, load_quantizer, quantize_int8, quantize_model, quantize_pieces,
                                 weight_bytes)
 
 TOL = {QuantMode.BF16: 0.01, QuantMode.INT8: 0.03, QuantMode.FP8: 0.08}
@@ -72,9 +73,11 @@ def test_layer_matches_fp32(mode, rows):
     assert rel_err(y, lin(x)) < TOL[mode]
 
 
-def test_int8_decode_calls_int8pack_mm_and_keeps_no_float_weight():
+def test_int8_decode_calls_int8pack_mm_and_keeps_no_float_weight(monkeypatch):
+    monkeypatch.setenv("KVWIRE_INT8_ACTIVATIONS", "0")  # the path of CPUs without AVX512-VNNI
     lin = make_linear()
     layer = Int8Linear(lin.weight, lin.bias)
+    assert layer.packed is None
     assert layer.weight.dtype == torch.int8 and layer.scale.shape == (lin.out_features,)
     big = [t for t in layer.state_dict().values() if t.numel() >= lin.weight.numel()]
     assert [t.dtype for t in big] == [torch.int8]  # the only full-size tensor is the int8 one
@@ -82,6 +85,26 @@ def test_int8_decode_calls_int8pack_mm_and_keeps_no_float_weight():
         layer(torch.randn(DECODE_ROWS, lin.in_features))
     assert "aten._weight_int8pack_mm.default" in rec.ops
     assert not {"aten.mm.default", "aten.addmm.default"} & set(rec.ops)
+
+
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.int8_activations()),
+                    reason="no AVX512-VNNI CPU kernels here")
+@pytest.mark.parametrize("rows", [1, DECODE_ROWS, PREFILL_ROWS])
+def test_int8_on_vnni_keeps_one_packed_copy_and_multiplies_int8_by_int8(rows):
+    lin = make_linear()
+    layer = Int8Linear(lin.weight, lin.bias)
+    q, scale = quantize_int8(lin.weight)
+    assert layer.weight is None and layer.packed.dtype == torch.uint8
+    assert torch.equal(layer.int8_weight(), q) and torch.equal(layer.scale, scale)
+    big = [t for t in layer.state_dict().values() if t.numel() >= lin.weight.numel()]
+    assert [t.dtype for t in big] == [torch.uint8]  # one full-size tensor, 1 byte per weight
+    x = torch.randn(rows, lin.in_features, generator=torch.Generator().manual_seed(4))
+    with OpRecorder() as rec:
+        y = layer(x)
+    assert not {"aten.mm.default", "aten.addmm.default", "aten._weight_int8pack_mm.default"} & set(rec.ops)
+    ref = cpu_reference.linear_i8a8(x, q, scale, lin.bias.detach().float())  # q8_0 activations, float64 sums
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert rel_err(y, lin(x)) < TOL[QuantMode.INT8]
 
 
 def test_int8_prefill_runs_fbgemm_w8a8():
@@ -206,7 +229,7 @@ def test_quantized_model_frees_original_weights_and_counts_bytes():
     quantize_model(model, QuantMode.INT8)
     gc.collect()
     assert old() is None
-    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, Int8Linear))
+    linear_params = sum(m.int8_weight().numel() for m in model.modules() if isinstance(m, Int8Linear))
     linear_rows = sum(m.out_features for m in model.modules() if isinstance(m, Int8Linear))
     lm_head_and_rest = fp32_bytes - 4 * linear_params  # embed, norms, fp32 lm_head
     assert weight_bytes(model) == lm_head_and_rest + linear_params + 4 * linear_rows
@@ -285,7 +308,8 @@ def test_int8_per_token_w8a8_survives_a_massive_activation_token():
     assert old.median() > 10 * TOL[QuantMode.INT8], old.median()
 
 
-def test_int8_weight_only_wide_path_survives_an_outlier_channel():
+def test_int8_weight_only_wide_path_survives_an_outlier_channel(monkeypatch):
+    monkeypatch.setenv("KVWIRE_INT8_ACTIVATIONS", "0")  # the wide path of CPUs without AVX512-VNNI
     lin = make_linear(bias=True)
     lin.weight.data[:, 7] /= 20  # as in trained models: the outlier channel's weights are small
     x = outlier_input("channel")
@@ -301,10 +325,19 @@ def test_int8_weight_only_wide_path_survives_an_outlier_channel():
     # rounds the other channels away: the bound above fails for both.
     assert per_row_err(w8a8(x), ref).max() > 2 * TOL[QuantMode.INT8]
     assert per_row_err(old_per_tensor_w8a8(w8a8, x) + lin.bias, ref).max() > 2 * TOL[QuantMode.INT8]
+    if cpu_kernels.available() and cpu_kernels.library().kvw_has_vnni():
+        # VNNI CPUs multiply int8 by int8 with one activation scale per block of 32 (llama.cpp's
+        # q8_0): the outlier coarsens only its own block, a third of per-token W8A8's worst error.
+        monkeypatch.setenv("KVWIRE_INT8_ACTIVATIONS", "auto")
+        q8_0 = Int8Linear(lin.weight, lin.bias)
+        assert q8_0.packed is not None
+        err = per_row_err(q8_0(x), ref)
+        assert err.mean() < TOL[QuantMode.INT8] and err.max() < per_row_err(w8a8(x), ref).max() / 2
 
 
 def test_int8_weight_only_wide_path_without_native_bf16_computes_in_fp32(monkeypatch):
     from kvwire.model import quant
+    monkeypatch.setenv("KVWIRE_INT8_ACTIVATIONS", "0")  # the weight-only wide path, as without VNNI
     lin = make_linear()
     x = torch.randn(PREFILL_ROWS, lin.in_features, generator=torch.Generator().manual_seed(6))
     layer = Int8Linear(lin.weight, lin.bias)

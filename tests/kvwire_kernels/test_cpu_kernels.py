@@ -97,6 +97,45 @@ def test_linear_i8a8_rows_independent_of_batch_and_threads():
     assert torch.equal(cpu.linear_i8a8(x[3:8].clone(), w, scale, threads=2), full[3:8])
 
 
+@vnni
+@pytest.mark.parametrize("rows,n_in,n_out", [(1, 576, 960), (5, 1536, 576), (12, 64, 48), (13, 576, 16), (129, 128, 64)])
+def test_gemm_i8a8_matches_reference(rows, n_in, n_out):
+    """The packed GEMM (prefill, and the fused step's int8 layers) against the float64 reference,
+    across row tiles of 12 and their tails."""
+    g = torch.Generator().manual_seed(rows * n_in + n_out)
+    x = torch.randn(rows, n_in, generator=g) * torch.rand(n_in, generator=g) * 3
+    w = torch.randint(-127, 128, (n_out, n_in), generator=g, dtype=torch.int8)
+    scale, bias, res = torch.rand(n_out, generator=g), torch.randn(n_out, generator=g), torch.randn(rows, n_out, generator=g)
+    packed = cpu.pack_i8a8(w)
+    assert packed.shape == (n_out // 16, n_in // 4, 16, 4) and packed.dtype == torch.uint8
+    assert packed[0, 0, 1, 2].item() == (int(w[1, 2]) & 0xFF) ^ 0x80  # output 1, input 2
+    y = cpu.gemm_i8a8(x, packed, scale, bias, res)
+    ref = reference.linear_i8a8(x, w, scale, bias) + res
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    torch.testing.assert_close(cpu.gemm_i8a8(x, packed, scale), reference.linear_i8a8(x, w, scale),
+                               rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_pack_i8a8_refuses_shapes_the_gemm_cannot_take():
+    w = torch.zeros(40, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="% 16"):
+        cpu.pack_i8a8(w)
+    with pytest.raises(ValueError, match="% 64"):
+        cpu.pack_i8a8(torch.zeros(48, 96, dtype=torch.int8))
+
+
+@vnni
+def test_gemm_i8a8_rows_independent_of_batch_and_threads():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(29, 576, generator=g)
+    packed = cpu.pack_i8a8(torch.randint(-127, 128, (1024, 576), generator=g, dtype=torch.int8))
+    scale = torch.rand(1024, generator=g)
+    full = cpu.gemm_i8a8(x, packed, scale, threads=2)
+    for i in range(29):
+        assert torch.equal(cpu.gemm_i8a8(x[i:i + 1].clone(), packed, scale, threads=1), full[i:i + 1])
+    assert torch.equal(cpu.gemm_i8a8(x[3:20].clone(), packed, scale, threads=2), full[3:20])
+
+
 def test_rms_norm_and_silu_mul():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 576, generator=g), torch.rand(576, generator=g)
