@@ -570,62 +570,97 @@ ALWAYS_INLINE f32x16 load_kv(const void *pages, int64_t idx, int64_t d, int64_t 
 }
 
 /* q [S, H, D] -> out [S, H, D]. Row s sits at position p = ctx[s] - 1 and sees positions j <= p
- * (and j > p - window when window > 0) of its block table tables[s, :max_blocks]. One task per
- * (row, kv head); D must be a multiple of 16 (at most 256). */
+ * (and j > p - window when window > 0) of its block table tables[s, :max_blocks]. D must be a
+ * multiple of 16 (at most 256), h / hkv at most 8.
+ * Consecutive rows of one sequence (the same block table, positions one apart: a speculative
+ * verification, a short chunk) form a group of at most ATT_GROUP rows, and one task per (group, kv
+ * head) reads and dequantizes each position's K and V once for all the group's rows and query
+ * heads. Each row's scores, softmax and weighted sum are the same operations in the same order as
+ * for that row alone, so grouping changes no bit of the output. */
+#define ATT_GROUP 16
+static int64_t att_group_end(const int32_t *tables, int64_t max_blocks, const int32_t *ctx, int64_t s0, int64_t S) {
+    int64_t s1 = s0 + 1;
+    while (s1 < S && s1 - s0 < ATT_GROUP && ctx[s1] == ctx[s1 - 1] + 1
+           && memcmp(tables + s1 * max_blocks, tables + s0 * max_blocks, sizeof(int32_t) * max_blocks) == 0)
+        s1++;
+    return s1;
+}
+
 void kvw_paged_attention(const float *q, int64_t S, int64_t h, int64_t hkv, int64_t d,
                          const void *k_pages, const void *v_pages, const uint16_t *k_scale,
                          const uint16_t *v_scale, int64_t block_size, const int32_t *tables,
                          int64_t max_blocks, const int32_t *ctx, int64_t window, float sm_scale,
                          float *out, int fp8, int nthreads) {
     const int64_t ratio = h / hkv, nc = d / 16;
+    int64_t *starts = malloc(sizeof(int64_t) * (S + 1)), ng = 0;
+    for (int64_t s = 0; s < S; s = att_group_end(tables, max_blocks, ctx, s, S)) starts[ng++] = s;
+    starts[ng] = S;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < S * hkv; task++) {
-        const int64_t s = task / hkv, g = task % hkv;
-        const int64_t p = ctx[s] - 1;
-        const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-        const int64_t L = p - lo + 1;
-        const int32_t *tab = tables + s * max_blocks;
-        float *sc = (float *)malloc((size_t)(ratio * L) * sizeof(float));
-        f32x16 qv[8][16];  /* ratio <= 8 query heads per kv head, d <= 256 */
-        for (int64_t r = 0; r < ratio; r++)
-            for (int64_t c = 0; c < nc; c++) qv[r][c] = load_f32(q + ((s * h) + g * ratio + r) * d + c * 16);
-        for (int64_t j = lo; j <= p; j++) {
+    for (int64_t task = 0; task < ng * hkv; task++) {
+        const int64_t s0 = starts[task / hkv], n = starts[task / hkv + 1] - s0, g = task % hkv;
+        const int32_t *tab = tables + s0 * max_blocks;
+        int64_t lo[ATT_GROUP], hi[ATT_GROUP];  /* row i sees positions lo[i] .. hi[i] */
+        for (int64_t i = 0; i < n; i++) {
+            hi[i] = ctx[s0 + i] - 1;
+            lo[i] = window > 0 && hi[i] - window + 1 > 0 ? hi[i] - window + 1 : 0;
+        }
+        const int64_t first = lo[0], last = hi[n - 1], L = last - first + 1;
+        const int64_t nq = n * ratio;  /* query vectors: row i, head r at i * ratio + r */
+        float *sc = (float *)malloc((size_t)(nq * L) * sizeof(float));
+        /* 64-byte aligned: vector loads and stores of f32x16 assume it */
+        f32x16 (*qv)[16] = aligned_alloc(64, sizeof(f32x16) * 16 * nq), (*acc)[16] = aligned_alloc(64, sizeof(f32x16) * 16 * nq);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t r = 0; r < ratio; r++)
+                for (int64_t c = 0; c < nc; c++) {
+                    qv[i * ratio + r][c] = load_f32(q + (((s0 + i) * h) + g * ratio + r) * d + c * 16);
+                    acc[i * ratio + r][c] = (f32x16){0};
+                }
+        for (int64_t j = first; j <= last; j++) {
             const int64_t idx = ((int64_t)tab[j / block_size] * hkv + g) * block_size + j % block_size;
             f32x16 kv[16];
             for (int64_t c = 0; c < nc; c++) kv[c] = load_kv(k_pages, idx, d, c, fp8);
             const float ks = (fp8 ? bf16_to_f32(k_scale[idx]) : 1.0f) * sm_scale;
-            for (int64_t r = 0; r < ratio; r++) {
-                f32x16 a = qv[r][0] * kv[0];
-                for (int64_t c = 1; c < nc; c++) a += qv[r][c] * kv[c];
-                sc[r * L + j - lo] = hsum(a) * ks;
+            for (int64_t i = 0; i < n; i++) {
+                if (j < lo[i] || j > hi[i]) continue;
+                for (int64_t r = 0; r < ratio; r++) {
+                    const f32x16 *qq = qv[i * ratio + r];
+                    f32x16 a = qq[0] * kv[0];
+                    for (int64_t c = 1; c < nc; c++) a += qq[c] * kv[c];
+                    sc[(i * ratio + r) * L + j - first] = hsum(a) * ks;
+                }
             }
         }
-        float denom[8];
-        for (int64_t r = 0; r < ratio; r++) {
-            float *row = sc + r * L, m = row[0], sum = 0.0f;
-            for (int64_t j = 1; j < L; j++) m = row[j] > m ? row[j] : m;
-            for (int64_t j = 0; j < L; j++) { row[j] = expf(row[j] - m); sum += row[j]; }
-            denom[r] = sum;
-        }
-        f32x16 acc[8][16];
-        for (int64_t r = 0; r < ratio; r++)
-            for (int64_t c = 0; c < nc; c++) acc[r][c] = (f32x16){0};
-        for (int64_t j = lo; j <= p; j++) {
+        float denom[ATT_GROUP * 8];
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t r = 0; r < ratio; r++) {
+                float *row = sc + (i * ratio + r) * L + (lo[i] - first), m = row[0], sum = 0.0f;
+                const int64_t len = hi[i] - lo[i] + 1;
+                for (int64_t j = 1; j < len; j++) m = row[j] > m ? row[j] : m;
+                for (int64_t j = 0; j < len; j++) { row[j] = expf(row[j] - m); sum += row[j]; }
+                denom[i * ratio + r] = sum;
+            }
+        for (int64_t j = first; j <= last; j++) {
             const int64_t idx = ((int64_t)tab[j / block_size] * hkv + g) * block_size + j % block_size;
             f32x16 vv[16];
             for (int64_t c = 0; c < nc; c++) vv[c] = load_kv(v_pages, idx, d, c, fp8);
             const float vs = fp8 ? bf16_to_f32(v_scale[idx]) : 1.0f;
-            for (int64_t r = 0; r < ratio; r++) {
-                const float wgt = sc[r * L + j - lo] * vs;
-                for (int64_t c = 0; c < nc; c++) acc[r][c] += wgt * vv[c];
+            for (int64_t i = 0; i < n; i++) {
+                if (j < lo[i] || j > hi[i]) continue;
+                for (int64_t r = 0; r < ratio; r++) {
+                    const float wgt = sc[(i * ratio + r) * L + j - first] * vs;
+                    for (int64_t c = 0; c < nc; c++) acc[i * ratio + r][c] += wgt * vv[c];
+                }
             }
         }
-        for (int64_t r = 0; r < ratio; r++) {
-            float inv = 1.0f / denom[r];
-            for (int64_t c = 0; c < nc; c++) store_f32(out + ((s * h) + g * ratio + r) * d + c * 16, acc[r][c] * inv);
-        }
-        free(sc);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t r = 0; r < ratio; r++) {
+                float inv = 1.0f / denom[i * ratio + r];
+                for (int64_t c = 0; c < nc; c++)
+                    store_f32(out + (((s0 + i) * h) + g * ratio + r) * d + c * 16, acc[i * ratio + r][c] * inv);
+            }
+        free(sc); free(qv); free(acc);
     }
+    free(starts);
 }
 
 /* ---- the whole decode step's layers in one call ------------------------------------------------ */

@@ -213,6 +213,31 @@ def test_paged_attention_matches_reference(fp8, window):
         assert torch.equal(alone, ours[i:i + 1])
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_groups_a_sequences_rows_without_changing_a_bit(fp8, window):
+    """Rows of one sequence at consecutive positions (a verification; 20 rows: more than one group
+    of 16), then a row of another sequence and one more of the first, which must not join its
+    group: the kernel reads each K/V position once per group, and every row's output equals the
+    row computed alone, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    k, v, ks, vs = _pages(fp8)
+    reference.write_kv(k, v, ks, vs, torch.randn(192, 3, 64, generator=g) * 2, torch.randn(192, 3, 64, generator=g),
+                       torch.arange(12 * 16))
+    order = torch.randperm(12, generator=g).tolist()
+    tables = [order[:6]] * 20 + [order[6:], order[:6]]
+    ctx = list(range(60, 80)) + [80, 81]
+    bt, ctx_t = torch.tensor(tables, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
+    q = torch.randn(len(ctx), 9, 64, generator=g)
+    together = cpu.paged_attention(q, k, v, ks, vs, bt, ctx_t, window, 0.125, threads=2)
+    ref = reference.paged_decode_attention(q, k, v, ks, vs, bt, ctx_t, window, 0.125)
+    torch.testing.assert_close(together, ref, rtol=1e-5, atol=1e-5)
+    for i in range(len(ctx)):
+        alone = cpu.paged_attention(q[i:i + 1].clone(), k, v, ks, vs, bt[i:i + 1].clone(), ctx_t[i:i + 1].clone(),
+                                    window, 0.125, threads=1)
+        assert torch.equal(alone, together[i:i + 1]), i
+
+
 def _probe(env: dict) -> str:
     import os
     import subprocess
