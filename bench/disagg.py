@@ -7,7 +7,9 @@ For each KV dtype (fp8_e4m3, bf16) the three services start as real processes on
 model (the embedded one by default; any model directory, GGUF or registered name); each prompt length is sent through the front door (tokenizer_svc) `repeats` times,
 one request at a time, timing every streamed message at the client. The same prompts then run
 in-process through the public engine API (``kvwire.LLM.stream``: same model, weights, KV settings
-and paged cache, no server) in this process. ``--speculative`` sets the default speculative mode
+and paged cache, no server) in this process: once with this process's threads (all usable cores)
+and once with as many as decode_svc computes with (tools/stack.py splits the cores between
+prefill_svc and decode_svc), which separates what the services add from what the split costs. ``--speculative`` sets the default speculative mode
 of both (decode_svc's flag and the LLM's); a draft model is loaded only with ``--speculative
 draft``. The KV bytes per
 prompt token come from a direct Prefill call (every chunk's bytes, scales included).
@@ -18,19 +20,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 import grpc
+import torch
 
 from bench import common
 from kvwire import LLM, SamplingParams
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.cli import DEFAULT_MODEL_DIR, usable_cpus
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from tools.stack import Stack
+from tools.stack import Stack, split_cpus
 from tools.train_embedded import load_corpus
 
 OUT = common.OUT
@@ -94,6 +98,20 @@ def in_process(llm: LLM, ids: list[int], gen: int) -> tuple[float, list[float]]:
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def service_threads() -> int:
+    """The compute threads decode_svc gets from tools.stack.Stack on this machine."""
+    return int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else split_cpus(usable_cpus())["decode_svc"]
+
+
+def in_process_with_threads(llm: LLM, ids: list[int], gen: int, repeats: int, threads: int) -> list:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return [in_process(llm, ids, gen) for _ in range(repeats)]
+    finally:
+        torch.set_num_threads(before)
+
+
 def summarize(runs: list[tuple[float, list[float]]]) -> dict:
     gaps = [g for _, gs in runs for g in gs]
     return {"ttft_ms": 1000 * statistics.median(t for t, _ in runs),
@@ -136,17 +154,20 @@ def main(argv: list[str] | None = None) -> dict:
                 in_process(llm, ids, 4)
                 srv = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen)) for _ in range(args.repeats)]
                 loc = [in_process(llm, ids, args.gen) for _ in range(args.repeats)]
+                same = in_process_with_threads(llm, ids, args.gen, args.repeats, service_threads())
                 here = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen, pb.KV_SOURCE_LOCAL))
                         for _ in range(args.repeats)]
                 fd = statistics.median(asyncio.run(front_door(stack.addr("tokenizer_svc"), tok.decode(ids), args.gen))
                                        for _ in range(args.repeats))
                 nbytes = asyncio.run(kv_bytes(stack.addr("prefill_svc"), ids))
                 row = {"kv": kv, "prompt_tokens": len(ids), "served": summarize(srv), "in_process": summarize(loc),
+                       "in_process_service_threads": summarize(same), "service_threads": service_threads(),
                        "served_local_prefill": summarize(here),
                        "front_door_ttft_ms": 1000 * fd, "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / len(ids)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     report = {"benchmark": "disagg", "model": args.model_dir.name, "weights": args.weights,
+              "threads": torch.get_num_threads(),
               "speculative": args.speculative, "gen": args.gen, "repeats": args.repeats, "rows": rows}
     common.save(report, markdown(report), args.out)
     return report
@@ -157,14 +178,24 @@ def markdown(report: dict) -> str:
              f"{report.get('speculative', 'none')}), batch 1, {report['gen']} generated tokens, median of "
              f"{report['repeats']} runs.",
              "", "| KV | prompt | TTFT served (ms) | TTFT served, local prefill (ms) | TTFT in-process (ms) | ratio "
-             "| TTFT via front door (ms) | ITL served (ms) | ITL in-process (ms) | ratio | KV bytes/prompt token |",
-             "|---" * 11 + "|"]
+             "| TTFT in-process, service threads (ms) | ratio | TTFT via front door (ms) | ITL served (ms) "
+             "| ITL in-process (ms) | ratio | ITL in-process, service threads (ms) | served - that (ms) "
+             "| KV bytes/prompt token |",
+             "|---" * 15 + "|"]
     for r in report["rows"]:
         s, p = r["served"], r["in_process"]
+        t = r.get("in_process_service_threads", p)
         lines.append(f"| {r['kv']} | {r['prompt_tokens']} | {s['ttft_ms']:.1f} | "
                      f"{r['served_local_prefill']['ttft_ms']:.1f} | {p['ttft_ms']:.1f} | "
-                     f"{s['ttft_ms'] / p['ttft_ms']:.2f}x | {r['front_door_ttft_ms']:.1f} | {s['itl_ms']:.2f} | "
-                     f"{p['itl_ms']:.2f} | {s['itl_ms'] / p['itl_ms']:.2f}x | {r['kv_bytes_per_token']:.0f} |")
+                     f"{s['ttft_ms'] / p['ttft_ms']:.2f}x | {t['ttft_ms']:.1f} | {s['ttft_ms'] / t['ttft_ms']:.2f}x | "
+                     f"{r['front_door_ttft_ms']:.1f} | {s['itl_ms']:.2f} | {p['itl_ms']:.2f} | "
+                     f"{s['itl_ms'] / p['itl_ms']:.2f}x | {t['itl_ms']:.2f} | {s['itl_ms'] - t['itl_ms']:+.2f} | "
+                     f"{r['kv_bytes_per_token']:.0f} |")
+    threads = {r.get("service_threads") for r in report["rows"]} - {None}
+    if threads:
+        lines.append(f"\nService threads: decode_svc's compute threads ({', '.join(map(str, sorted(threads)))}), "
+                     f"the in-process engine set to the same; the other in-process columns use this process's "
+                     f"threads ({report.get('threads', 'all usable cores')}).")
     fp8 = {r["prompt_tokens"]: r["kv_bytes_per_token"] for r in report["rows"] if r["kv"] == "fp8_e4m3"}
     bf16 = {r["prompt_tokens"]: r["kv_bytes_per_token"] for r in report["rows"] if r["kv"] == "bf16"}
     for n in sorted(set(fp8) & set(bf16)):
