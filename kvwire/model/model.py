@@ -39,7 +39,9 @@ class KVCache(Protocol):
 # ---- RoPE -------------------------------------------------------------------------------------
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU even inside the loader's meta-device context: arithmetic on meta tensors runs
+    # torch's Python reference ops, which import torch._dynamo and Triton (~60 MB per process).
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if rope.kind == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.kind == "llama3":
@@ -129,7 +131,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # nn.Embedding's random init on the loader's meta device would import torch._dynamo and
+        # Triton (see rope_inv_freq), and the loader fills every weight anyway: init only real tensors.
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))  # [vocab, hidden]
+        if not self.embed.weight.is_meta:
+            nn.init.normal_(self.embed.weight)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -203,3 +203,25 @@ def test_real_model_quantized_while_loading_is_bit_identical(mode):
     got = load_model(REAL, quantize=load_quantizer(mode, include_lm_head=mode in HEAD_QUANTIZED), progress=False)
     assert_bit_identical(ref, got.model)
     assert got.weights_sha256 == ref_sha
+
+
+@pytest.mark.parametrize("weights", ["int8", "bf16"])
+def test_loading_imports_neither_dynamo_nor_triton(tmp_path, weights):
+    """The loader builds the model on the meta device; arithmetic there (a random init, RoPE
+    frequencies) runs torch's Python reference ops, which import torch._dynamo and Triton: about
+    130 MB more resident in every service process. Loading, a prompt and a decode step must not."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch\n"
+        "from kvwire.cli import DEFAULT_MODEL_DIR\n"
+        "from kvwire.config import QuantMode\n"
+        "from kvwire.runtime import EngineConfig, load_engine\n"
+        f"rt = load_engine(EngineConfig(model_dir=DEFAULT_MODEL_DIR, weights=QuantMode('{weights}')))\n"
+        "cache = rt.new_cache(8)\n"
+        "rt.model(torch.tensor([1, 2, 3]), cache.prepare([0], [3]), cache)\n"
+        "rt.model(torch.tensor([4]), cache.prepare([0], [1]), cache)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
