@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     tok = ModelTokenizer(args.model_dir)
     lens = [int(x) for x in args.prompt_lens.split(",")]
     prompts = {n: prompt_ids(tok, n) for n in lens}
-    rows = []
+    rows, svc_threads = [], service_threads()
     for kv in args.kv.split(","):
         draft = args.draft_model_dir if args.speculative == "draft" else None
         llm = LLM(args.model_dir, weights=args.weights, kv_dtype=kv, num_pages=256, draft_model=draft,
@@ -154,14 +154,14 @@ def main(argv: list[str] | None = None) -> dict:
                 in_process(llm, ids, 4)
                 srv = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen)) for _ in range(args.repeats)]
                 loc = [in_process(llm, ids, args.gen) for _ in range(args.repeats)]
-                same = in_process_with_threads(llm, ids, args.gen, args.repeats, service_threads())
+                same = in_process_with_threads(llm, ids, args.gen, args.repeats, svc_threads)
                 here = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen, pb.KV_SOURCE_LOCAL))
                         for _ in range(args.repeats)]
                 fd = statistics.median(asyncio.run(front_door(stack.addr("tokenizer_svc"), tok.decode(ids), args.gen))
                                        for _ in range(args.repeats))
                 nbytes = asyncio.run(kv_bytes(stack.addr("prefill_svc"), ids))
                 row = {"kv": kv, "prompt_tokens": len(ids), "served": summarize(srv), "in_process": summarize(loc),
-                       "in_process_service_threads": summarize(same), "service_threads": service_threads(),
+                       "in_process_service_threads": summarize(same), "service_threads": svc_threads,
                        "served_local_prefill": summarize(here),
                        "front_door_ttft_ms": 1000 * fd, "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / len(ids)}
                 rows.append(row)

@@ -177,10 +177,11 @@ def available() -> bool:
 
 
 def int8_activations() -> bool:
-    """Whether int8 layers in the fused decode step take int8 activations (blocks of 32, as
-    llama.cpp's q8_0; ``kvw_linear_i8a8``): where the library was built with AVX512-VNNI, unless
-    ``KVWIRE_INT8_ACTIVATIONS=0`` keeps them fp32 (``kvw_linear_i8``). Read from the CPU's flags and
-    the environment, never from timing, so every process on a machine computes the same numbers."""
+    """Whether int8 layers take int8 activations (blocks of 32, as llama.cpp's q8_0; the packed
+    ``kvw_gemm_i8a8`` for prompts and the fused decode step, ``kvw_linear_i8a8`` for weights left in
+    [out, in] order): where the library was built with AVX512-VNNI, unless
+    ``KVWIRE_INT8_ACTIVATIONS=0`` keeps them fp32 / bf16. Read from the CPU's flags and the
+    environment, never from timing, so every process on a machine computes the same numbers."""
     lib = library()
     off = os.environ.get("KVWIRE_INT8_ACTIVATIONS", "auto").lower() in ("0", "off", "false", "no")
     return lib is not None and bool(lib.kvw_has_vnni()) and not off
@@ -196,6 +197,13 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
                          f"{'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
 
 
+def _check_f32(**tensors: torch.Tensor | None) -> None:
+    """Each given tensor (None: absent) is a contiguous CPU fp32 tensor."""
+    for name, t in tensors.items():
+        if t is not None:
+            _check(t, torch.float32, name)
+
+
 LINEAR_FN = {torch.int8: "kvw_linear_i8", torch.bfloat16: "kvw_linear_bf16", torch.float32: "kvw_linear_f32"}
 
 
@@ -208,9 +216,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
         raise ValueError(f"w: expected a contiguous int8, bfloat16 or float32 tensor, got {w.dtype}")
     rows, n_in = x.shape
     n_out = w.shape[0]
-    for t, name in ((scale, "scale"), (bias, "bias"), (residual, "residual")):
-        if t is not None:
-            _check(t, torch.float32, name)
+    _check_f32(scale=scale, bias=bias, residual=residual)
     y = torch.empty(rows, n_out, dtype=torch.float32)
     getattr(library(), LINEAR_FN[w.dtype])(x.data_ptr(), rows, n_in, w.data_ptr(), n_out, y.data_ptr(),
                                            _ptr(scale), _ptr(bias), _ptr(residual),
@@ -237,9 +243,7 @@ def linear_i8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     _check(w, torch.int8, "w")
     if x.shape[1] % 64 or w.shape[1] != x.shape[1]:
         raise ValueError(f"linear_i8a8: in_features must match and be a multiple of 64, got {x.shape[1]}, {w.shape[1]}")
-    for t, name in ((scale, "scale"), (bias, "bias"), (residual, "residual")):
-        if t is not None:
-            _check(t, torch.float32, name)
+    _check_f32(scale=scale, bias=bias, residual=residual)
     y = torch.empty(x.shape[0], w.shape[0])
     library().kvw_linear_i8a8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(),
                               scale.data_ptr(), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())
@@ -257,18 +261,22 @@ def pack_i8a8(w: torch.Tensor) -> torch.Tensor:
     return packed.bitwise_xor_(0x80)  # [out / 16, in / 4, 16, 4]
 
 
+def unpack_i8a8(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_i8a8``'s inverse: [out / 16, in / 4, 16, 4] uint8 -> w [out, in] int8."""
+    groups, quads, _, _ = packed.shape
+    return (packed ^ 0x80).permute(0, 2, 1, 3).contiguous().view(torch.int8).view(16 * groups, 4 * quads)
+
+
 def gemm_i8a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """``linear_i8a8`` for many rows (prefill): the same numbers, within fp32 round-off, from the
-    weights as ``pack_i8a8`` lays them out -> [rows, out] fp32 (VNNI builds)."""
+    """``linear_i8a8``'s numbers (within fp32 round-off) from the weights as ``pack_i8a8`` lays
+    them out, at any row count -> [rows, out] fp32 (VNNI builds)."""
     _check(x, torch.float32, "x")
     _check(packed, torch.uint8, "packed")
     groups, quads, _, _ = packed.shape
     if x.shape[1] != 4 * quads:
         raise ValueError(f"gemm_i8a8: x has {x.shape[1]} inputs, the packed weight {4 * quads}")
-    for t, name in ((scale, "scale"), (bias, "bias"), (residual, "residual")):
-        if t is not None:
-            _check(t, torch.float32, name)
+    _check_f32(scale=scale, bias=bias, residual=residual)
     y = torch.empty(x.shape[0], 16 * groups)
     library().kvw_gemm_i8a8(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), 16 * groups, y.data_ptr(),
                             scale.data_ptr(), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())

@@ -147,7 +147,10 @@ class Int8Linear(nn.Module):
 
     def int8_weight(self) -> torch.Tensor:
         """The weight as [out, in] int8, whichever layout it is stored in."""
-        return self.weight if self.packed is None else unpack_vnni(self.packed)
+        if self.packed is None:
+            return self.weight
+        from kvwire_kernels import cpu
+        return cpu.unpack_i8a8(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] fp32 -> [rows, out] fp32
@@ -218,12 +221,6 @@ def vnni_layout(q: torch.Tensor) -> torch.Tensor | None:
         return None
     from kvwire_kernels import cpu
     return cpu.pack_i8a8(q) if cpu.int8_activations() else None
-
-
-def unpack_vnni(packed: torch.Tensor) -> torch.Tensor:
-    """vnni_layout's inverse: [out / 16, in / 4, 16, 4] uint8 -> [out, in] int8."""
-    groups, quads, _, _ = packed.shape
-    return (packed ^ 0x80).permute(0, 2, 1, 3).contiguous().view(torch.int8).view(16 * groups, 4 * quads)
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:

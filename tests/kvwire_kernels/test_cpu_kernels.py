@@ -109,6 +109,7 @@ def test_gemm_i8a8_matches_reference(rows, n_in, n_out):
     packed = cpu.pack_i8a8(w)
     assert packed.shape == (n_out // 16, n_in // 4, 16, 4) and packed.dtype == torch.uint8
     assert packed[0, 0, 1, 2].item() == (int(w[1, 2]) & 0xFF) ^ 0x80  # output 1, input 2
+    assert torch.equal(cpu.unpack_i8a8(packed), w)
     y = cpu.gemm_i8a8(x, packed, scale, bias, res)
     ref = reference.linear_i8a8(x, w, scale, bias) + res
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
