@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft-model-dir", default=None,
                     help="decode_svc's draft model (default: <model-dir>-draft beside the model when present)")
     ap.add_argument("--log-dir", type=Path, default=None, help="service logs (default: discarded)")
+    ap.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill_svc and decode_svc lend each other their cores (--no-share-cores: the static split)")
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
 
@@ -139,10 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
             draft = str(sibling) if (sibling / "config.json").is_file() else ""
         decode_flags = ["--speculative", args.speculative, "--draft-model-dir", draft]
         with Stack(model_dir=args.model_dir, weights=args.weights, kv_dtype=args.kv_dtype, log_dir=args.log_dir,
-                   decode_pages=args.decode_pages, extra={"decode_svc": decode_flags}) as stack:
+                   decode_pages=args.decode_pages, extra={"decode_svc": decode_flags},
+                   share_cores=args.share_cores) as stack:
             levels = run(stack.addr("tokenizer_svc"), prompts, args)
     report = {"benchmark": "serve", "model": args.model_dir.name, "weights": args.weights, "kv_dtype": args.kv_dtype,
               "speculative": args.speculative if not args.addr else "(running service)",
+              "share_cores": args.share_cores if not args.addr else None,
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
               "dataset": args.dataset, "slo_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms,
                                                   "e2el": args.slo_e2el_ms},

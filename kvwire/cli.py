@@ -37,6 +37,10 @@ def add_engine_args(ap: argparse.ArgumentParser, default_pages: int) -> None:
                          "the CPUs this process may use (its CPU affinity, capped by a cgroup CPU limit such "
                          "as a Kubernetes pod's). Services sharing a host should split its cores between "
                          "them: OpenMP threads that outnumber the cores stall each other at every barrier")
+    ap.add_argument("--share-cores", type=Path, default=None, metavar="FILE",
+                    help="prefill_svc and decode_svc on one host, given the same FILE (created if missing): "
+                         "each computes on all usable CPUs while the other is idle and on its --threads "
+                         "share while both compute (tools/stack.py passes one when it splits the cores)")
 
 
 def usable_cpus() -> int:
@@ -62,6 +66,22 @@ def set_threads(args: argparse.Namespace) -> int:
     if n is not None:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def core_share(args: argparse.Namespace, role: str):
+    """The ``--share-cores`` lending for ``role`` ("prefill" or "decode"), or None without the
+    flag. Call after ``set_threads``: this process's thread count is its own share."""
+    if args.share_cores is None:
+        return None
+    import torch
+
+    from kvwire.cores import CoreShare
+
+    own = torch.get_num_threads()
+    share = CoreShare(args.share_cores, role, own=own, total=max(own, usable_cpus()))
+    logging.getLogger("kvwire.cores").info("sharing cores through %s: %d compute threads while the other role "
+                                           "is idle, %d while both compute", share.path, share.total, share.own)
+    return share
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -30,7 +30,8 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("loading %s (weights %s, KV %s, %d compute threads) ...", engine_cfg.model_dir,
              engine_cfg.weights.value, engine_cfg.kv_dtype.value, threads)
     engine = await asyncio.to_thread(load_engine, engine_cfg)
-    runner = PrefillRunner(engine, engine_cfg.num_pages, prefix_caching=args.prefix_caching)
+    runner = PrefillRunner(engine, engine_cfg.num_pages, prefix_caching=args.prefix_caching,
+                           cores=cli.core_share(args, "prefill"))
     metrics.watch_pool(runner.stats)  # KV pool use
     await asyncio.to_thread(runner.warm_up)
     gguf.forget_readers()  # everything read from a GGUF model file is loaded by now

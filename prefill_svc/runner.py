@@ -3,7 +3,8 @@
 Runs in one worker thread (one forward at a time: on a CPU two would only share the cores).
 ``on_layer(layer)`` is called from that thread the moment a layer's pages are complete, so the
 server can ship them while later layers compute; setting ``abort`` stops the forward at its next
-layer (the stream was cancelled).
+layer (the stream was cancelled). With a ``CoreShare`` (``--share-cores``) the forward computes on
+every usable core while a co-located decode is idle, and checks again before each layer.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvwire.cores import CoreShare, use_threads
 from kvwire.engine.chunked import PrefixPrefill
 from kvwire.engine.prefix_cache import PrefixCache, cache_salt
 from kvwire.errors import ResourceExhausted, never_fits
@@ -25,22 +27,27 @@ class Aborted(Exception):
 
 
 class _LayerHook:
-    """A KVCache wrapper that reports each layer after the real cache wrote its pages."""
+    """A KVCache wrapper that reports each layer after the real cache wrote its pages (and,
+    lent cores, sets the next layer's thread count)."""
 
-    def __init__(self, cache, on_layer: Callable[[int], None], abort: threading.Event):
-        self.cache, self.on_layer, self.abort = cache, on_layer, abort
+    def __init__(self, cache, on_layer: Callable[[int], None], abort: threading.Event,
+                 cores: CoreShare | None = None):
+        self.cache, self.on_layer, self.abort, self.cores = cache, on_layer, abort, cores
 
     def attend(self, layer, q, k, v, window):
         out = self.cache.attend(layer, q, k, v, window)
         if self.abort.is_set():
             raise Aborted()
         self.on_layer(layer)
+        if self.cores is not None:
+            use_threads(self.cores.busy())
         return out
 
 
 class PrefillRunner:
-    def __init__(self, runtime: Runtime, num_pages: int, prefix_caching: bool = False):
-        self.runtime = runtime
+    def __init__(self, runtime: Runtime, num_pages: int, prefix_caching: bool = False,
+                 cores: CoreShare | None = None):
+        self.runtime, self.cores = runtime, cores
         self.cache = runtime.new_cache(num_pages)
         self.salt = cache_salt(runtime.fingerprint, runtime.spec)
         # Reused pages are read, never rewritten; not with a sliding window (pages are given back).
@@ -79,12 +86,18 @@ class PrefillRunner:
                 self.cache.reset(seq)
                 raise ResourceExhausted(f"the prefill KV pool is full of other prompts ({e}); retry later") from e
         try:
+            if self.cores is not None:
+                use_threads(self.cores.busy())
             kv = PrefixPrefill(self.cache, seq, start, len(tokens) - start) if start else self.cache
-            logits = self.runtime.model(torch.tensor(tokens[start:]), positions, _LayerHook(kv, on_layer, abort),
+            logits = self.runtime.model(torch.tensor(tokens[start:]), positions,
+                                        _LayerHook(kv, on_layer, abort, self.cores),
                                         logits_rows=torch.tensor([len(tokens) - start - 1]))
         except BaseException:
             self.release(seq)
             raise
+        finally:
+            if self.cores is not None:
+                self.cores.idle()
         if self.prefix is not None:
             with self._lock:
                 self.prefix.remember(self.cache.tables, seq, tokens)

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,9 @@ def split_cpus(cpus: int) -> dict[str, int]:
     gets the odd one). Both at the full count would run twice as many OpenMP threads as cores, and
     while both compute, every barrier waits for a thread the other process holds off its core
     (measured on 2 cores, SmolLM2 int8: a decode loop and a prefill loop running at once kept 17%
-    and 16% of their speed alone with 2 threads each, 80% and 66% with 1 each)."""
+    and 16% of their speed alone with 2 threads each, 80% and 66% with 1 each). This is each
+    one's share while both compute; with ``--share-cores`` (``Stack.share_cores``) one that computes
+    alone uses every core."""
     prefill = max(1, cpus // 2)
     return {"prefill_svc": prefill, "decode_svc": max(1, cpus - prefill)}
 
@@ -73,8 +76,10 @@ class Stack:
     extra: dict[str, list[str]] = field(default_factory=dict)  # per-service extra flags
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
+    share_cores: bool = True  # when the cores are split: prefill and decode lend each other theirs
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    _cores_file: Path | None = field(default=None, repr=False)
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -91,12 +96,18 @@ class Stack:
         threads = {} if "OMP_NUM_THREADS" in {**os.environ, **self.env} else split_cpus(usable_cpus())
         if name in threads and "--threads" not in self.extra.get(name, []):
             flags += ["--threads", str(threads[name])]
+        if name in threads and self._cores_file is not None and "--share-cores" not in self.extra.get(name, []):
+            flags += ["--share-cores", str(self._cores_file)]
         if name == "tokenizer_svc":
             flags += ["--decode-addr", self.addr("decode_svc")]
         return flags + self.extra.get(name, [])
 
     def start(self, timeout_s: float = 120.0) -> "Stack":
         names = ("prefill_svc", "decode_svc", "tokenizer_svc")
+        if self.share_cores and self._cores_file is None:
+            fd, path = tempfile.mkstemp(prefix="kvwire-cores-")
+            os.close(fd)
+            self._cores_file = Path(path)
         for name in names:
             self.ports.setdefault(name, free_port())
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
@@ -126,6 +137,9 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 codes[name] = p.wait()
+        if self._cores_file is not None:
+            self._cores_file.unlink(missing_ok=True)
+            self._cores_file = None
         return codes
 
     def __enter__(self) -> "Stack":

@@ -6,7 +6,8 @@ ones; one decode step over those runs in the worker thread; ``update()`` hands e
 tokens. Requests join (after their KV is filled) and leave (finished, failed or cancelled) between
 steps. Every runner call goes through one single-thread executor in submission order, so a
 request's pages are freed only after any step, prefill or import already queued for it:
-cancellation at any moment never leaks or reuses a page.
+cancellation at any moment never leaks or reuses a page. With a ``CoreShare`` (decode_svc's
+``--share-cores``) each step computes on every usable core while a co-located prefill is idle.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry import trace
 
+from kvwire.cores import CoreShare, use_threads
 from kvwire.engine import speculative as spec
 from kvwire.engine.core import EngineCore
 from kvwire.engine.kv_source import KVSources
@@ -52,8 +54,8 @@ def _joined(first: RequestOutput, tokens: list[int] | None, last: RequestOutput)
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, sources: KVSources):
-        self.core, self.sources = core, sources
+    def __init__(self, core: EngineCore, sources: KVSources, cores: CoreShare | None = None):
+        self.core, self.sources, self.cores = core, sources, cores
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._admitted: dict[str, asyncio.Event] = {}
         self._outputs: dict[str, asyncio.Queue] = {}
@@ -118,11 +120,14 @@ class AsyncEngine:
                 if event is not None:
                     event.set()
             if not batch.decode:
+                if self.cores is not None:
+                    self.cores.idle()  # nothing to step: a co-located prefill may use every core
                 self._work.clear()
                 await self._work.wait()
                 continue
+            threads = self.cores.busy() if self.cores is not None else None
             try:
-                results = await self.run(self.core.execute, batch)
+                results = await self.run(self._execute, batch, threads)
             except Exception as e:  # noqa: BLE001 - the requests in the step fail, the loop goes on
                 for req in batch.decode:
                     req.status = RequestStatus.FINISHED
@@ -134,6 +139,12 @@ class AsyncEngine:
                 queue = self._outputs.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+
+    def _execute(self, batch, threads: int | None):
+        """One step on the runner's thread, with ``threads`` compute threads when lent some."""
+        if threads is not None:
+            use_threads(threads)
+        return self.core.execute(batch)
 
     def stats(self) -> dict[str, int]:
         return self.core.stats()

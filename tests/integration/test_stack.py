@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import grpc
 import pytest
@@ -61,6 +62,20 @@ def test_health_and_reflection_on_every_service(stack):
 def test_prefill_and_decode_split_the_cores(stack):
     for name, n in split_cpus(usable_cpus()).items():
         assert f"{n} compute threads" in (stack.log_dir / f"{name}.log").read_text(), name
+
+
+@pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="OMP_NUM_THREADS set: the stack leaves threads to it")
+def test_prefill_and_decode_lend_each_other_cores_and_end_idle(stack):
+    split = split_cpus(usable_cpus())
+    for name in ("prefill_svc", "decode_svc"):
+        log = (stack.log_dir / f"{name}.log").read_text()
+        assert f"{usable_cpus()} compute threads while the other role is idle, {split[name]} while both" in log, name
+    asyncio.run(stream_text(stack.addr("tokenizer_svc"), pb.GenerateTextRequest(
+        text="hello", sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))))
+    deadline = time.monotonic() + 10
+    while stack._cores_file.read_bytes() != b"\x00\x00" and time.monotonic() < deadline:
+        time.sleep(0.05)  # decode marks itself idle when its loop finds nothing to step
+    assert stack._cores_file.read_bytes() == b"\x00\x00"
 
 
 def test_greedy_through_three_services_equals_in_process(stack):

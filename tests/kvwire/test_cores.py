@@ -1,0 +1,126 @@
+"""Core lending between co-located services (kvwire.cores, ``--share-cores``): the shared flags,
+across real processes, and the threads prefill forwards and decode steps really compute with."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from kvwire import LLM, SamplingParams
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.cores import CoreShare, use_threads
+from kvwire.engine.async_engine import AsyncEngine
+from kvwire.engine.kv_source import KVSources
+from prefill_svc.runner import PrefillRunner
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_each_role_gets_every_core_only_while_the_other_is_idle(tmp_path):
+    path = tmp_path / "cores"
+    prefill, decode = CoreShare(path, "prefill", own=1, total=4), CoreShare(path, "decode", own=3, total=4)
+    assert prefill.busy() == 4  # decode idle
+    assert decode.busy() == 3  # prefill busy: its own share
+    assert prefill.busy() == 1  # and now prefill sees decode
+    prefill.idle()
+    assert decode.busy() == 4
+    decode.idle()
+    assert prefill.busy() == 4
+    assert path.read_bytes() == b"\x01\x00"
+
+
+def test_the_flags_cross_processes_and_a_restarted_role_starts_idle(tmp_path):
+    path = tmp_path / "cores"
+    mine = CoreShare(path, "decode", own=1, total=2)
+    code = (f"from kvwire.cores import CoreShare; import sys; c = CoreShare({str(path)!r}, 'prefill', 1, 2); "
+            "print(c.busy()); sys.stdout.flush(); sys.stdin.readline()")
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "2"  # decode was idle
+        assert mine.busy() == 1  # the other process computes
+    finally:
+        other.communicate("\n", timeout=30)
+    # It exited without idle(): its byte stays set and decode keeps to its share, the static split.
+    assert mine.busy() == 1
+    CoreShare(path, "prefill", own=1, total=2)  # a restarted prefill clears its own byte
+    assert mine.busy() == 2
+
+
+@pytest.mark.parametrize("role, own, total", [("tokenizer", 1, 2), ("decode", 0, 2), ("decode", 3, 2)])
+def test_bad_arguments_are_refused(tmp_path, role, own, total):
+    with pytest.raises(ValueError):
+        CoreShare(tmp_path / "cores", role, own, total)
+
+
+def test_use_threads_sets_torch_threads(restore_threads):
+    use_threads(1)
+    assert torch.get_num_threads() == 1
+    use_threads(2)
+    assert torch.get_num_threads() == 2
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(DEFAULT_MODEL_DIR, num_pages=64)
+
+
+def test_prefill_computes_every_layer_on_the_lent_cores_and_gives_them_back(llm, tmp_path, restore_threads):
+    cores = CoreShare(tmp_path / "cores", "prefill", own=1, total=2)
+    decode = CoreShare(tmp_path / "cores", "decode", own=1, total=2)
+    runner = PrefillRunner(llm.runtime, 32, cores=cores)
+    seen = []
+
+    def run() -> None:
+        seq = runner.new_sequence()
+        runner.forward(seq, list(range(1, 20)), lambda layer: seen.append(torch.get_num_threads()), threading.Event())
+        runner.release(seq)
+
+    use_threads(1)
+    run()
+    lent, seen[:] = seen[:], []
+    assert (tmp_path / "cores").read_bytes()[0] == 0  # idle again after the forward
+    decode.busy()
+    run()
+    layers = llm.runtime.model_config.num_layers
+    assert lent == [2] * layers and seen == [1] * layers
+
+
+def test_decode_steps_on_the_lent_cores_and_marks_itself_idle_when_done(llm, tmp_path, restore_threads):
+    path = tmp_path / "cores"
+    prefill = CoreShare(path, "prefill", own=1, total=2)
+    steps, execute = [], llm.core.execute
+    llm.core.execute = lambda batch: steps.append(torch.get_num_threads()) or execute(batch)
+
+    async def generate() -> list[int]:
+        engine = AsyncEngine(llm.core, KVSources(llm.kv_source), cores=CoreShare(path, "decode", own=1, total=2))
+        engine.start()
+        try:
+            out = []
+            async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)):
+                out += o.token_ids
+            for _ in range(100):  # the loop marks decode idle once it has nothing to step
+                if path.read_bytes()[1] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return out
+        finally:
+            await engine.close()
+
+    try:
+        prefill.busy()
+        assert len(asyncio.run(generate())) == 6 and steps and set(steps) == {1}
+        steps.clear()
+        prefill.idle()
+        assert len(asyncio.run(generate())) == 6 and steps and set(steps) == {2}
+        assert path.read_bytes() == b"\x00\x00"
+    finally:
+        llm.core.execute = execute
