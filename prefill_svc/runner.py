@@ -55,6 +55,7 @@ class PrefillRunner:
             if prefix_caching and self.cache.tables.window is None else None
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the page pool between the worker and the event loop
+        self._queued = 0  # forwards announced by ``expect`` and not started yet
 
     def check_fits(self, num_tokens: int) -> None:
         """NeverFits when a prompt of ``num_tokens`` tokens needs more pages than the whole pool
@@ -63,6 +64,12 @@ class PrefillRunner:
         if need > self.cache.pool.num_pages:
             raise never_fits(f"prompt ({num_tokens} tokens) needs {need} KV pages but the prefill pool has "
                              f"{self.cache.pool.num_pages}", fix="shorten the prompt")
+
+    def expect(self) -> None:
+        """A forward is being queued: lent cores stay marked busy from the one running to it, so a
+        co-located decode does not take every core for a step in the gap between two prompts."""
+        with self._lock:
+            self._queued += 1
 
     def new_sequence(self) -> int:
         return next(self._ids)
@@ -74,7 +81,10 @@ class PrefillRunner:
         On success the caller owns the sequence and must ``release`` it; on failure (including
         an abort from ``on_layer``) its pages are already back in the pool.
         """
+        with self._lock:
+            self._queued = max(0, self._queued - 1)
         if abort.is_set():
+            self._idle_unless_queued()
             raise Aborted()
         with self._lock:
             try:
@@ -84,6 +94,7 @@ class PrefillRunner:
                 positions = self.cache.prepare([seq], [len(tokens) - start])
             except OutOfPages as e:
                 self.cache.reset(seq)
+                self._idle_unless_queued()
                 raise ResourceExhausted(f"the prefill KV pool is full of other prompts ({e}); retry later") from e
         try:
             if self.cores is not None:
@@ -96,12 +107,15 @@ class PrefillRunner:
             self.release(seq)
             raise
         finally:
-            if self.cores is not None:
-                self.cores.idle()
+            self._idle_unless_queued()
         if self.prefix is not None:
             with self._lock:
                 self.prefix.remember(self.cache.tables, seq, tokens)
         return logits[0]
+
+    def _idle_unless_queued(self) -> None:
+        if self.cores is not None and not self._queued:
+            self.cores.idle()
 
     def warm_up(self) -> None:
         """One short forward, so the first request doesn't pay for lazy initialisation."""

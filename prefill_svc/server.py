@@ -81,6 +81,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
             loop.call_soon_threadsafe(layers.put_nowait, chunks)
 
         self.active_streams += 1
+        self.runner.expect()
         fut = loop.run_in_executor(self.executor, self.runner.forward, seq, tokens, on_layer, abort)
         fut.add_done_callback(lambda _: loop.call_soon_threadsafe(layers.put_nowait, _DONE))
         ended = False

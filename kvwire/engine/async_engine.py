@@ -7,7 +7,8 @@ tokens. Requests join (after their KV is filled) and leave (finished, failed or 
 steps. Every runner call goes through one single-thread executor in submission order, so a
 request's pages are freed only after any step, prefill or import already queued for it:
 cancellation at any moment never leaks or reuses a page. With a ``CoreShare`` (decode_svc's
-``--share-cores``) each step computes on every usable core while a co-located prefill is idle.
+``--share-cores``) every runner call (steps, local prefills, imports) computes on every usable
+core while a co-located prefill is idle; decode counts as busy while a call runs or a request decodes.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def _joined(first: RequestOutput, tokens: list[int] | None, last: RequestOutput)
 class AsyncEngine:
     def __init__(self, core: EngineCore, sources: KVSources, cores: CoreShare | None = None):
         self.core, self.sources, self.cores = core, sources, cores
+        self._inflight = 0  # runner calls submitted and not finished (with lent cores)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._admitted: dict[str, asyncio.Event] = {}
         self._outputs: dict[str, asyncio.Queue] = {}
@@ -70,8 +72,27 @@ class AsyncEngine:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
 
     async def run(self, fn, *args):
-        """Run ``fn(*args)`` on the runner's thread, after everything already queued there."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Run ``fn(*args)`` on the runner's thread, after everything already queued there (lent
+        cores: on as many threads as a co-located prefill leaves it, decided when it starts)."""
+        loop = asyncio.get_running_loop()
+        if self.cores is None:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        self._inflight += 1
+        try:
+            return await loop.run_in_executor(self.executor, self._lent, fn, args)
+        finally:
+            self._inflight -= 1
+            self._idle_if_nothing_to_compute()
+
+    def _lent(self, fn, args: tuple):
+        use_threads(self.cores.busy())
+        return fn(*args)
+
+    def _idle_if_nothing_to_compute(self) -> None:
+        """No runner call in flight and no request decoding: a co-located prefill may use every core."""
+        if self.cores is not None and not self._inflight and not any(
+                r.status is RequestStatus.RUNNING for r in self.core.scheduler.running.values()):
+            self.cores.idle()
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                        kv_source: KVSourceChoice = KVSourceChoice.AUTO,
@@ -120,14 +141,12 @@ class AsyncEngine:
                 if event is not None:
                     event.set()
             if not batch.decode:
-                if self.cores is not None:
-                    self.cores.idle()  # nothing to step: a co-located prefill may use every core
+                self._idle_if_nothing_to_compute()
                 self._work.clear()
                 await self._work.wait()
                 continue
-            threads = self.cores.busy() if self.cores is not None else None
             try:
-                results = await self.run(self._execute, batch, threads)
+                results = await self.run(self.core.execute, batch)
             except Exception as e:  # noqa: BLE001 - the requests in the step fail, the loop goes on
                 for req in batch.decode:
                     req.status = RequestStatus.FINISHED
@@ -139,12 +158,6 @@ class AsyncEngine:
                 queue = self._outputs.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
-
-    def _execute(self, batch, threads: int | None):
-        """One step on the runner's thread, with ``threads`` compute threads when lent some."""
-        if threads is not None:
-            use_threads(threads)
-        return self.core.execute(batch)
 
     def stats(self) -> dict[str, int]:
         return self.core.stats()

@@ -63,7 +63,7 @@ async def test_a_kv_pull_imports_in_two_runner_calls_whatever_its_chunks(cfg):
         run = h.engine.run
 
         async def counted(fn, *args):
-            if fn.__name__ != "_execute":  # the decode steps that follow
+            if fn.__name__ != "execute":  # the decode steps that follow
                 calls.append(fn.__name__)
             return await run(fn, *args)
 

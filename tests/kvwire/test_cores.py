@@ -15,7 +15,7 @@ from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.cores import CoreShare, use_threads
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.kv_source import KVSources
-from prefill_svc.runner import PrefillRunner
+from prefill_svc.runner import Aborted, PrefillRunner
 
 
 @pytest.fixture
@@ -124,3 +124,29 @@ def test_decode_steps_on_the_lent_cores_and_marks_itself_idle_when_done(llm, tmp
         assert path.read_bytes() == b"\x00\x00"
     finally:
         llm.core.execute = execute
+
+
+def test_prefill_stays_marked_busy_between_queued_forwards(llm, tmp_path, restore_threads):
+    path = tmp_path / "cores"
+    runner = PrefillRunner(llm.runtime, 32, cores=CoreShare(path, "prefill", own=1, total=2))
+
+    def forward() -> None:
+        seq = runner.new_sequence()
+        runner.forward(seq, list(range(1, 20)), lambda layer: None, threading.Event())
+        runner.release(seq)
+
+    runner.expect()
+    runner.expect()  # two prompts queued
+    forward()
+    assert path.read_bytes()[0] == 1  # the second is next: decode must not take every core now
+    forward()
+    assert path.read_bytes()[0] == 0
+    runner.expect()
+    runner.expect()
+    forward()
+    assert path.read_bytes()[0] == 1
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(Aborted):  # the queued one was cancelled before it ran: idle all the same
+        runner.forward(runner.new_sequence(), [1, 2, 3], lambda layer: None, cancelled)
+    assert path.read_bytes()[0] == 0
