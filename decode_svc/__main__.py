@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from kvwire import cli, metrics, security
+from kvwire.cores import compute_executor
 from kvwire.config import KVDtype, QuantMode
 from kvwire.lazy import Lazy
 from kvwire.runtime import load_engine
@@ -42,11 +43,12 @@ async def serve(args: argparse.Namespace) -> None:
     threads = cli.set_threads(args)
     log.info("loading %s (weights %s, KV %s, %d compute threads) ...", engine_cfg.model_dir,
              engine_cfg.weights.value, engine_cfg.kv_dtype.value, threads)
-    engine = await asyncio.to_thread(load_engine, engine_cfg)
+    compute, loop = compute_executor("engine"), asyncio.get_running_loop()  # every torch call on one thread
+    engine = await loop.run_in_executor(compute, load_engine, engine_cfg)
     eos = eos_token_ids(engine_cfg.model_dir, engine.model_config)  # no tokenizer.json needed
-    draft = await asyncio.to_thread(load_draft, args, engine_cfg, engine)
+    draft = await loop.run_in_executor(compute, load_draft, args, engine_cfg, engine)
     runner = ModelRunner(engine, engine_cfg.num_pages, draft, prefix_caching=args.prefix_caching)
-    await asyncio.to_thread(runner.warm_up)
+    await loop.run_in_executor(compute, runner.warm_up)
     gguf.forget_readers()  # everything read from a GGUF model file is loaded by now
     spec_cfg = SpecConfig(mode=SpeculativeMode(args.speculative), num_tokens=args.num_speculative_tokens,
                           adaptive=args.adaptive_speculation, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
@@ -61,7 +63,8 @@ async def serve(args: argparse.Namespace) -> None:
                          args.prefill_health_interval_s) if remote else None
     policy = KVSourcePolicy(local_max_tokens=args.local_prefill_max_tokens,
                             remote_max_inflight=args.remote_prefill_max_inflight)
-    decode = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, policy), cores=cli.core_share(args, "decode"))
+    decode = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, policy), cores=cli.core_share(args, "decode"),
+                         executor=compute)
     decode.start()
     metrics.watch_pool(decode.stats)  # running/waiting requests, KV pool use
     lazy.set(DecodeServicer(decode))

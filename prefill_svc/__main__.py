@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from kvwire import cli, metrics, security
+from kvwire.cores import compute_executor
 from kvwire.lazy import Lazy
 from kvwire.model import gguf
 from kvwire.runtime import load_engine
@@ -29,13 +30,14 @@ async def serve(args: argparse.Namespace) -> None:
     port = await server.start(args.listen)
     log.info("loading %s (weights %s, KV %s, %d compute threads) ...", engine_cfg.model_dir,
              engine_cfg.weights.value, engine_cfg.kv_dtype.value, threads)
-    engine = await asyncio.to_thread(load_engine, engine_cfg)
+    compute, loop = compute_executor("prefill"), asyncio.get_running_loop()  # every torch call on one thread
+    engine = await loop.run_in_executor(compute, load_engine, engine_cfg)
     runner = PrefillRunner(engine, engine_cfg.num_pages, prefix_caching=args.prefix_caching,
                            cores=cli.core_share(args, "prefill"))
     metrics.watch_pool(runner.stats)  # KV pool use
-    await asyncio.to_thread(runner.warm_up)
+    await loop.run_in_executor(compute, runner.warm_up)
     gguf.forget_readers()  # everything read from a GGUF model file is loaded by now
-    lazy.set(PrefillServicer(runner))
+    lazy.set(PrefillServicer(runner, compute))
     await server.set_serving()
     log.info("prefill_svc SERVING on port %d", port)
     try:

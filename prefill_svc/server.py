@@ -29,12 +29,13 @@ _DONE = -1
 
 
 class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, runner: PrefillRunner):
+    def __init__(self, runner: PrefillRunner, executor: ThreadPoolExecutor | None = None):
         self.runner = runner
         self.runtime = runner.runtime
         cfg = runner.runtime.model_config
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        # the thread that computes (kvwire.cores.compute_executor: the one the model was loaded on)
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.active_streams = 0  # Prefill streams past validation and not yet ended
 
     def _check_expectations(self, request: pb.PrefillRequest) -> None:

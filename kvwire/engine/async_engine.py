@@ -55,10 +55,12 @@ def _joined(first: RequestOutput, tokens: list[int] | None, last: RequestOutput)
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, sources: KVSources, cores: CoreShare | None = None):
+    def __init__(self, core: EngineCore, sources: KVSources, cores: CoreShare | None = None,
+                 executor: ThreadPoolExecutor | None = None):
         self.core, self.sources, self.cores = core, sources, cores
         self._inflight = 0  # runner calls submitted and not finished (with lent cores)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # the runner's thread; pass the one the model was loaded on (kvwire.cores.compute_executor)
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._admitted: dict[str, asyncio.Event] = {}
         self._outputs: dict[str, asyncio.Queue] = {}
         self._work = asyncio.Event()
