@@ -8,8 +8,9 @@ model (the embedded one by default; any model directory, GGUF or registered name
 one request at a time, timing every streamed message at the client. The same prompts then run
 in-process through the public engine API (``kvwire.LLM.stream``: same model, weights, KV settings
 and paged cache, no server) in this process: once with this process's threads (all usable cores)
-and once with as many as decode_svc computes with (tools/stack.py splits the cores between
-prefill_svc and decode_svc), which separates what the services add from what the split costs. ``--speculative`` sets the default speculative mode
+and once with decode_svc's share of the cores (tools/stack.py splits them between prefill_svc and
+decode_svc while both compute; each lends the other its share while idle, ``--share-cores``), the
+threads each service computed with before lending. ``--speculative`` sets the default speculative mode
 of both (decode_svc's flag and the LLM's); a draft model is loaded only with ``--speculative
 draft``. The KV bytes per
 prompt token come from a direct Prefill call (every chunk's bytes, scales included).
@@ -179,7 +180,7 @@ def markdown(report: dict) -> str:
              f"{report['repeats']} runs.",
              "", "| KV | prompt | TTFT served (ms) | TTFT served, local prefill (ms) | TTFT in-process (ms) | ratio "
              "| TTFT in-process, service threads (ms) | ratio | TTFT via front door (ms) | ITL served (ms) "
-             "| ITL in-process (ms) | ratio | ITL in-process, service threads (ms) | served - that (ms) "
+             "| ITL in-process (ms) | ratio | ITL in-process, service threads (ms) | served - in-process (ms) "
              "| KV bytes/prompt token |",
              "|---" * 15 + "|"]
     for r in report["rows"]:
@@ -189,11 +190,12 @@ def markdown(report: dict) -> str:
                      f"{r['served_local_prefill']['ttft_ms']:.1f} | {p['ttft_ms']:.1f} | "
                      f"{s['ttft_ms'] / p['ttft_ms']:.2f}x | {t['ttft_ms']:.1f} | {s['ttft_ms'] / t['ttft_ms']:.2f}x | "
                      f"{r['front_door_ttft_ms']:.1f} | {s['itl_ms']:.2f} | {p['itl_ms']:.2f} | "
-                     f"{s['itl_ms'] / p['itl_ms']:.2f}x | {t['itl_ms']:.2f} | {s['itl_ms'] - t['itl_ms']:+.2f} | "
+                     f"{s['itl_ms'] / p['itl_ms']:.2f}x | {t['itl_ms']:.2f} | {s['itl_ms'] - p['itl_ms']:+.2f} | "
                      f"{r['kv_bytes_per_token']:.0f} |")
     threads = {r.get("service_threads") for r in report["rows"]} - {None}
     if threads:
-        lines.append(f"\nService threads: decode_svc's compute threads ({', '.join(map(str, sorted(threads)))}), "
+        lines.append(f"\nService threads: decode_svc's share of the cores while prefill computes "
+                     f"({', '.join(map(str, sorted(threads)))}), "
                      f"the in-process engine set to the same; the other in-process columns use this process's "
                      f"threads ({report.get('threads', 'all usable cores')}).")
     fp8 = {r["prompt_tokens"]: r["kv_bytes_per_token"] for r in report["rows"] if r["kv"] == "fp8_e4m3"}

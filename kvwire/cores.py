@@ -45,9 +45,10 @@ def compute_executor(name: str) -> ThreadPoolExecutor:
     """The one thread a service computes on: loading, warm-up, every forward and step. libgomp
     gives each thread that starts parallel work a pool of its own, and a second pool (the warm-up
     on asyncio's default executor, the forwards on the service's) made every prefill forward in
-    prefill_svc about 1.4x slower on 2 cores (SmolLM2 int8, 128 and 512 tokens): the idle pool's
-    threads count against the cores, and the working pool's workers then spin less and sleep
-    between parallel regions."""
+    prefill_svc about 1.4x slower on 2 cores (SmolLM2 int8, 128 and 512 tokens). libgomp documents
+    why: with more OpenMP threads than CPUs it spins only 100 rounds (1,000 with an active wait
+    policy), so the working pool's workers sleep between parallel regions and each region starts
+    by waking them."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
 
