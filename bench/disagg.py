@@ -12,7 +12,8 @@ and once with decode_svc's share of the cores (tools/stack.py splits them betwee
 decode_svc while both compute; each lends the other its share while idle, ``--share-cores``), the
 threads each service computed with before lending. ``--speculative`` sets the default speculative mode
 of both (decode_svc's flag and the LLM's); a draft model is loaded only with ``--speculative
-draft``. The KV bytes per
+draft``. Then ``--concurrency`` different prompts go at once, through the services and through the
+in-process engine (batched, ``LLM.generate``): output tok/s of the same workload. The KV bytes per
 prompt token come from a direct Prefill call (every chunk's bytes, scales included).
 Writes bench/out/disagg-<model>-<stamp>.{json,md}.
 """
@@ -113,6 +114,21 @@ def in_process_with_threads(llm: LLM, ids: list[int], gen: int, repeats: int, th
         torch.set_num_threads(before)
 
 
+async def served_concurrent(addr: str, prompts: list[list[int]], gen: int) -> float:
+    """Output tok/s of all ``prompts`` sent at once through decode_svc, which picks where each
+    prefills as it does by default (past ``--remote-prefill-max-inflight`` pulls, inside decode_svc)."""
+    t0 = time.perf_counter()
+    runs = await asyncio.gather(*(served(addr, ids, gen, pb.KV_SOURCE_UNSPECIFIED) for ids in prompts))
+    return sum(1 + len(gaps) for _, gaps in runs) / (time.perf_counter() - t0)
+
+
+def in_process_concurrent(llm: LLM, prompts: list[list[int]], gen: int) -> float:
+    """Output tok/s of the same prompts through the in-process engine, batched (``LLM.generate``)."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=gen, ignore_eos=True))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
 def summarize(runs: list[tuple[float, list[float]]]) -> dict:
     gaps = [g for _, gs in runs for g in gs]
     return {"ttft_ms": 1000 * statistics.median(t for t, _ in runs),
@@ -134,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv", default="fp8_e4m3,bf16")
+    ap.add_argument("--concurrency", type=int, default=16,
+                    help="then this many different prompts at once, served and in-process (0: skip)")
+    ap.add_argument("--concurrent-prompt-len", type=int, default=128)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.model:
@@ -143,7 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
     tok = ModelTokenizer(args.model_dir)
     lens = [int(x) for x in args.prompt_lens.split(",")]
     prompts = {n: prompt_ids(tok, n) for n in lens}
-    rows, svc_threads = [], service_threads()
+    m = args.concurrent_prompt_len
+    pool = prompt_ids(tok, m * args.concurrency)
+    batch = [pool[i * m:(i + 1) * m] for i in range(args.concurrency)]
+    rows, concurrent, svc_threads = [], [], service_threads()
     for kv in args.kv.split(","):
         draft = args.draft_model_dir if args.speculative == "draft" else None
         llm = LLM(args.model_dir, weights=args.weights, kv_dtype=kv, num_pages=256, draft_model=draft,
@@ -167,9 +189,18 @@ def main(argv: list[str] | None = None) -> dict:
                        "front_door_ttft_ms": 1000 * fd, "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / len(ids)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if batch and len(batch[-1]) == m:
+                asyncio.run(served_concurrent(stack.addr("decode_svc"), batch[:2], 4))  # warm
+                srv = [asyncio.run(served_concurrent(stack.addr("decode_svc"), batch, args.gen))
+                       for _ in range(args.repeats)]
+                loc = [in_process_concurrent(llm, batch, args.gen) for _ in range(args.repeats)]
+                concurrent.append({"kv": kv, "requests": len(batch), "prompt_tokens": m,
+                                   "served_tok_s": statistics.median(srv), "in_process_tok_s": statistics.median(loc)})
+                print(json.dumps(concurrent[-1]), flush=True)
     report = {"benchmark": "disagg", "model": args.model_dir.name, "weights": args.weights,
               "threads": torch.get_num_threads(),
-              "speculative": args.speculative, "gen": args.gen, "repeats": args.repeats, "rows": rows}
+              "speculative": args.speculative, "gen": args.gen, "repeats": args.repeats, "rows": rows,
+              "concurrent": concurrent}
     common.save(report, markdown(report), args.out)
     return report
 
@@ -198,6 +229,11 @@ def markdown(report: dict) -> str:
                      f"({', '.join(map(str, sorted(threads)))}), "
                      f"the in-process engine set to the same; the other in-process columns use this process's "
                      f"threads ({report.get('threads', 'all usable cores')}).")
+    for c in report.get("concurrent", []):
+        lines.append(f"\n{c['requests']} different {c['prompt_tokens']}-token prompts at once, {report['gen']} tokens each "
+                     f"({c['kv']} KV): served {c['served_tok_s']:.1f} output tok/s, in-process (batched, "
+                     f"{report.get('threads', 'all')} threads) {c['in_process_tok_s']:.1f}: "
+                     f"{c['served_tok_s'] / c['in_process_tok_s']:.2f}x")
     fp8 = {r["prompt_tokens"]: r["kv_bytes_per_token"] for r in report["rows"] if r["kv"] == "fp8_e4m3"}
     bf16 = {r["prompt_tokens"]: r["kv_bytes_per_token"] for r in report["rows"] if r["kv"] == "bf16"}
     for n in sorted(set(fp8) & set(bf16)):

@@ -6,8 +6,8 @@ service has nothing to do: a lone prompt prefills on half the cores while decode
 and a decode batch runs on half the cores between prompts.
 
 With ``--share-cores FILE`` both services map the same small file, one byte per role, that says
-whether that role is computing. Before each unit of work (a prefill layer, a decode step) a
-service marks itself busy and reads the other byte: it computes on every usable core when the
+whether that role is computing. Before each unit of work (a prefill layer; a decode step, local
+prefill or KV import) a service marks itself busy and reads the other byte: it computes on every usable core when the
 other role is idle, on its own share (``--threads``) when not. Marking before reading means two
 services starting at once see each other (x86 may reorder the store after the load, and then
 both run one unit on all cores: a slower unit, never a wrong one). The file holds no state
@@ -87,7 +87,3 @@ class CoreShare:
 
     def idle(self) -> None:
         self._map[self._me] = 0
-
-    def close(self) -> None:
-        self.idle()
-        self._map.close()

@@ -76,3 +76,15 @@ def test_engine(tmp_path):
     assert rows["kvwire none/fp8_e4m3"]["weight_bytes_per_token"] == rows["transformers-fp32"]["weight_bytes_per_token"]
     assert ("llama.cpp-f16" in rows) == report["llama_cpp"].startswith("llama-cpp-python")
     assert len(pngs) == 1
+
+
+def test_disagg(tmp_path):
+    """Its own stack (the embedded model): one prompt length, then 3 prompts at once both ways."""
+    cli.main(["disagg", "--prompt-lens", "16", "--gen", "4", "--repeats", "1", "--kv", "fp8_e4m3",
+              "--concurrency", "3", "--concurrent-prompt-len", "16", "--out", str(tmp_path)])
+    report, _ = outputs(tmp_path, "disagg")
+    (row,) = report["rows"]
+    assert row["prompt_tokens"] == 16 and row["served"]["ttft_ms"] > 0 and row["kv_bytes"] > 0
+    (c,) = report["concurrent"]
+    assert c["requests"] == 3 and c["served_tok_s"] > 0 and c["in_process_tok_s"] > 0
+    assert "3 different 16-token prompts at once" in (next(tmp_path.glob("disagg-*.md"))).read_text()
