@@ -63,7 +63,7 @@ async def serve(args: argparse.Namespace) -> None:
                          args.prefill_health_interval_s) if remote else None
     policy = KVSourcePolicy(local_max_tokens=args.local_prefill_max_tokens,
                             remote_max_inflight=args.remote_prefill_max_inflight)
-    decode = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, policy), cores=cli.core_share(args, "decode"),
+    decode = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, policy), cores=cli.core_share(args, "decode", threads),
                          executor=compute)
     decode.start()
     metrics.watch_pool(decode.stats)  # running/waiting requests, KV pool use

@@ -68,16 +68,13 @@ def set_threads(args: argparse.Namespace) -> int:
     return torch.get_num_threads()
 
 
-def core_share(args: argparse.Namespace, role: str):
-    """The ``--share-cores`` lending for ``role`` ("prefill" or "decode"), or None without the
-    flag. Call after ``set_threads``: this process's thread count is its own share."""
+def core_share(args: argparse.Namespace, role: str, own: int):
+    """The ``--share-cores`` lending for ``role`` ("prefill" or "decode") whose own share is
+    ``own`` threads (what ``set_threads`` returned), or None without the flag."""
     if args.share_cores is None:
         return None
-    import torch
-
     from kvwire.cores import CoreShare
 
-    own = torch.get_num_threads()
     share = CoreShare(args.share_cores, role, own=own, total=max(own, usable_cpus()))
     logging.getLogger("kvwire.cores").info("sharing cores through %s: %d compute threads while the other role "
                                            "is idle, %d while both compute", share.path, share.total, share.own)

@@ -33,7 +33,7 @@ async def serve(args: argparse.Namespace) -> None:
     compute, loop = compute_executor("prefill"), asyncio.get_running_loop()  # every torch call on one thread
     engine = await loop.run_in_executor(compute, load_engine, engine_cfg)
     runner = PrefillRunner(engine, engine_cfg.num_pages, prefix_caching=args.prefix_caching,
-                           cores=cli.core_share(args, "prefill"))
+                           cores=cli.core_share(args, "prefill", threads))
     metrics.watch_pool(runner.stats)  # KV pool use
     await loop.run_in_executor(compute, runner.warm_up)
     gguf.forget_readers()  # everything read from a GGUF model file is loaded by now

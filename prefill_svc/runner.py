@@ -83,39 +83,35 @@ class PrefillRunner:
         """
         with self._lock:
             self._queued = max(0, self._queued - 1)
-        if abort.is_set():
-            self._idle_unless_queued()
-            raise Aborted()
-        with self._lock:
-            try:
-                start = 0
-                if self.prefix is not None:  # a cached prefix is attached, only the rest computed
-                    start = self.prefix.attach(self.cache.tables, seq, tokens) * self.runtime.spec.block_size
-                positions = self.cache.prepare([seq], [len(tokens) - start])
-            except OutOfPages as e:
-                self.cache.reset(seq)
-                self._idle_unless_queued()
-                raise ResourceExhausted(f"the prefill KV pool is full of other prompts ({e}); retry later") from e
         try:
-            if self.cores is not None:
-                use_threads(self.cores.busy())
-            kv = PrefixPrefill(self.cache, seq, start, len(tokens) - start) if start else self.cache
-            logits = self.runtime.model(torch.tensor(tokens[start:]), positions,
-                                        _LayerHook(kv, on_layer, abort, self.cores),
-                                        logits_rows=torch.tensor([len(tokens) - start - 1]))
-        except BaseException:
-            self.release(seq)
-            raise
-        finally:
-            self._idle_unless_queued()
+            if abort.is_set():
+                raise Aborted()
+            with self._lock:
+                try:
+                    start = 0
+                    if self.prefix is not None:  # a cached prefix is attached, only the rest computed
+                        start = self.prefix.attach(self.cache.tables, seq, tokens) * self.runtime.spec.block_size
+                    positions = self.cache.prepare([seq], [len(tokens) - start])
+                except OutOfPages as e:
+                    self.cache.reset(seq)
+                    raise ResourceExhausted(f"the prefill KV pool is full of other prompts ({e}); retry later") from e
+            try:
+                if self.cores is not None:
+                    use_threads(self.cores.busy())
+                kv = PrefixPrefill(self.cache, seq, start, len(tokens) - start) if start else self.cache
+                logits = self.runtime.model(torch.tensor(tokens[start:]), positions,
+                                            _LayerHook(kv, on_layer, abort, self.cores),
+                                            logits_rows=torch.tensor([len(tokens) - start - 1]))
+            except BaseException:
+                self.release(seq)
+                raise
+        finally:  # this forward is over, whichever way: idle unless another prompt is queued
+            if self.cores is not None and not self._queued:
+                self.cores.idle()
         if self.prefix is not None:
             with self._lock:
                 self.prefix.remember(self.cache.tables, seq, tokens)
         return logits[0]
-
-    def _idle_unless_queued(self) -> None:
-        if self.cores is not None and not self._queued:
-            self.cores.idle()
 
     def warm_up(self) -> None:
         """One short forward, so the first request doesn't pay for lazy initialisation."""

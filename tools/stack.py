@@ -79,7 +79,7 @@ class Stack:
     share_cores: bool = True  # when the cores are split: prefill and decode lend each other theirs
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
-    _cores_file: Path | None = field(default=None, repr=False)
+    cores_file: Path | None = field(default=None, repr=False)  # --share-cores, while started
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -96,18 +96,18 @@ class Stack:
         threads = {} if "OMP_NUM_THREADS" in {**os.environ, **self.env} else split_cpus(usable_cpus())
         if name in threads and "--threads" not in self.extra.get(name, []):
             flags += ["--threads", str(threads[name])]
-        if name in threads and self._cores_file is not None and "--share-cores" not in self.extra.get(name, []):
-            flags += ["--share-cores", str(self._cores_file)]
+        if name in threads and self.cores_file is not None and "--share-cores" not in self.extra.get(name, []):
+            flags += ["--share-cores", str(self.cores_file)]
         if name == "tokenizer_svc":
             flags += ["--decode-addr", self.addr("decode_svc")]
         return flags + self.extra.get(name, [])
 
     def start(self, timeout_s: float = 120.0) -> "Stack":
         names = ("prefill_svc", "decode_svc", "tokenizer_svc")
-        if self.share_cores and self._cores_file is None:
+        if self.share_cores and self.cores_file is None:
             fd, path = tempfile.mkstemp(prefix="kvwire-cores-")
             os.close(fd)
-            self._cores_file = Path(path)
+            self.cores_file = Path(path)
         for name in names:
             self.ports.setdefault(name, free_port())
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
@@ -137,9 +137,9 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 codes[name] = p.wait()
-        if self._cores_file is not None:
-            self._cores_file.unlink(missing_ok=True)
-            self._cores_file = None
+        if self.cores_file is not None:
+            self.cores_file.unlink(missing_ok=True)
+            self.cores_file = None
         return codes
 
     def __enter__(self) -> "Stack":

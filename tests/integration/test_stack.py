@@ -73,9 +73,9 @@ def test_prefill_and_decode_lend_each_other_cores_and_end_idle(stack):
     asyncio.run(stream_text(stack.addr("tokenizer_svc"), pb.GenerateTextRequest(
         text="hello", sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))))
     deadline = time.monotonic() + 10
-    while stack._cores_file.read_bytes() != b"\x00\x00" and time.monotonic() < deadline:
+    while stack.cores_file.read_bytes() != b"\x00\x00" and time.monotonic() < deadline:
         time.sleep(0.05)  # decode marks itself idle when its loop finds nothing to step
-    assert stack._cores_file.read_bytes() == b"\x00\x00"
+    assert stack.cores_file.read_bytes() == b"\x00\x00"
 
 
 def test_greedy_through_three_services_equals_in_process(stack):
