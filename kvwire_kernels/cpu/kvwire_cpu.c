@@ -572,12 +572,22 @@ ALWAYS_INLINE f32x16 load_kv(const void *pages, int64_t idx, int64_t d, int64_t 
 /* q [S, H, D] -> out [S, H, D]. Row s sits at position p = ctx[s] - 1 and sees positions j <= p
  * (and j > p - window when window > 0) of its block table tables[s, :max_blocks]. D must be a
  * multiple of 16 (at most 256), h / hkv at most 8.
- * Consecutive rows of one sequence (the same block table, positions one apart: a speculative
- * verification, a short chunk) form a group of at most ATT_GROUP rows, and one task per (group, kv
- * head) reads and dequantizes each position's K and V once for all the group's rows and query
- * heads. Each row's scores, softmax and weighted sum are the same operations in the same order as
- * for that row alone, so grouping changes no bit of the output. */
+ *
+ * Work is split three ways, and none of them changes a row's bits:
+ *   - rows: consecutive rows of one sequence (the same block table, positions one apart: a
+ *     speculative verification, a short chunk) form a group of at most ATT_GROUP rows that reads
+ *     and dequantizes each position's K and V once for all its rows and query heads;
+ *   - positions: fixed chunks of ATT_CHUNK absolute positions are separate tasks (so one sequence's
+ *     attention spreads over the threads), each giving a row its chunk's max score, softmax
+ *     denominator and weighted sum, merged afterwards in chunk order (as flash-decoding does);
+ *   - inside a chunk, scores come 16 positions at a time (16 dot products reduced by one
+ *     transpose-add tree into a vector, lane = position mod 16) and the softmax's exponentials are
+ *     one vector polynomial per 16 positions.
+ * Chunks and blocks of 16 sit on absolute positions, a row's sums run over its own positions in
+ * increasing order and a chunk it does not reach is skipped, so each row gets the same bits alone,
+ * in any group and with any number of threads. */
 #define ATT_GROUP 16
+#define ATT_CHUNK 64  /* a multiple of 16; 128 was 3% faster from 230 positions on, 13-20% slower at 128 */
 static int64_t att_group_end(const int32_t *tables, int64_t max_blocks, const int32_t *ctx, int64_t s0, int64_t S) {
     int64_t s1 = s0 + 1;
     while (s1 < S && s1 - s0 < ATT_GROUP && ctx[s1] == ctx[s1 - 1] + 1
@@ -586,81 +596,204 @@ static int64_t att_group_end(const int32_t *tables, int64_t max_blocks, const in
     return s1;
 }
 
+ALWAYS_INLINE f32x16 splat(float x) { return (f32x16){0} + x; }
+ALWAYS_INLINE f32x16 vsel(i32x16 m, f32x16 a, f32x16 b) { return (f32x16)(((i32x16)a & m) | ((i32x16)b & ~m)); }
+ALWAYS_INLINE float hmax(f32x16 v) { float m = v[0]; for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m; return m; }
+
+/* e^x for x <= 0 (NaN-free), Cephes' expf: x = n ln2 + r, e^r by a degree-7 polynomial, 2^n into
+ * the exponent; within 2 ulp of expf. x < -87 (below fp32's normal range, -inf included) gives 0. */
+ALWAYS_INLINE f32x16 exp_nonpos(f32x16 x) {
+    const i32x16 under = x < splat(-87.0f);
+    x = vsel(under, splat(-87.0f), x);
+    const f32x16 fx = x * 1.44269504088896341f + 0.5f;
+    i32x16 n = __builtin_convertvector(fx, i32x16);  /* toward zero; then floor */
+    n += (i32x16)(__builtin_convertvector(n, f32x16) > fx);
+    const f32x16 fn = __builtin_convertvector(n, f32x16);
+    const f32x16 r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+    f32x16 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    y *= (f32x16)((n + 127) << 23);
+    return vsel(under, splat(0.0f), y);
+}
+
+/* a[m] (16 vectors) -> the vector of their horizontal sums, lane m = sum of a[m]: hsum's tree
+ * (lane i + lane i + 8, then + 4, + 2, + 1) for all 16 at once. */
+ALWAYS_INLINE f32x16 hsum16(const f32x16 *a) {
+    f32x16 b[8], c[4], e[2];
+    for (int p = 0; p < 8; p++)
+        b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(a[2 * p], a[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int p = 0; p < 4; p++)
+        c[p] = __builtin_shufflevector(b[2 * p], b[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(b[2 * p], b[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)
+        e[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(c[2 * p], c[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* One task: rows s0 .. s0 + n - 1 (a group), kv head g, the chunk at absolute position cs. For each
+ * of its n * ratio query vectors, writes [max score, denominator, weighted sum (d)] to part. */
+ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h, int64_t hkv, const int64_t d,
+                                int64_t g, int64_t cs, const void *k_pages, const void *v_pages,
+                                const uint16_t *k_scale, const uint16_t *v_scale, int64_t block_size,
+                                const int32_t *tab, const int64_t *lo, const int64_t *hi, float sm_scale,
+                                const int fp8, float *part) {
+    const int64_t ratio = h / hkv, nc = d / 16, nq = n * ratio;
+    const int64_t jlo = lo[0] > cs ? lo[0] : cs, jhi = hi[n - 1] < cs + ATT_CHUNK - 1 ? hi[n - 1] : cs + ATT_CHUNK - 1;
+    int64_t blo[ATT_GROUP], bhi[ATT_GROUP];  /* row i's blocks of 16 in this chunk (empty when blo > bhi) */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t a = lo[i] > jlo ? lo[i] : jlo, b = hi[i] < jhi ? hi[i] : jhi;
+        blo[i] = a <= b ? (a - cs) / 16 : 1;
+        bhi[i] = a <= b ? (b - cs) / 16 : 0;
+    }
+    float *sc = aligned_alloc(64, sizeof(float) * nq * ATT_CHUNK);  /* [nq, ATT_CHUNK] */
+    f32x16 (*qv)[16] = aligned_alloc(64, sizeof(f32x16) * 16 * nq), (*acc)[16] = aligned_alloc(64, sizeof(f32x16) * 16 * nq);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = 0; r < ratio; r++)
+            for (int64_t c = 0; c < nc; c++) {
+                qv[i * ratio + r][c] = load_f32(q + (((s0 + i) * h) + g * ratio + r) * d + c * 16);
+                acc[i * ratio + r][c] = (f32x16){0};
+            }
+    int64_t at[ATT_CHUNK];  /* position cs + i's row in the pages (K/V element offset / d), no division per use */
+    for (int64_t j = jlo, pg = jlo / block_size, off = jlo % block_size; j <= jhi; j++) {
+        at[j - cs] = ((int64_t)tab[pg] * hkv + g) * block_size + off;
+        if (++off == block_size) { off = 0; pg++; }
+    }
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    /* scores, 16 positions at a time */
+    for (int64_t b = (jlo - cs) / 16; b <= (jhi - cs) / 16; b++) {
+        const int64_t base = cs + 16 * b;
+        f32x16 kb[16][nc], ksv = {0};
+        for (int64_t t = 0; t < 16; t++) {
+            const int64_t j = base + t;
+            if (j < jlo || j > jhi) { for (int64_t c = 0; c < nc; c++) kb[t][c] = (f32x16){0}; continue; }
+            const int64_t idx = at[j - cs];
+            for (int64_t c = 0; c < nc; c++) kb[t][c] = load_kv(k_pages, idx, d, c, fp8);
+            ksv[t] = (fp8 ? bf16_to_f32(k_scale[idx]) : 1.0f) * sm_scale;
+        }
+        const i32x16 pos = lane + (int32_t)base;
+        for (int64_t i = 0; i < n; i++) {
+            if (b < blo[i] || b > bhi[i]) continue;
+            const i32x16 valid = (pos >= (int32_t)lo[i]) & (pos <= (int32_t)hi[i]);
+            for (int64_t r = 0; r < ratio; r++) {
+                const f32x16 *qq = qv[i * ratio + r];
+                f32x16 a[16];
+                for (int64_t t = 0; t < 16; t++) {
+                    a[t] = qq[0] * kb[t][0];
+                    for (int64_t c = 1; c < nc; c++) a[t] += qq[c] * kb[t][c];
+                }
+                store_f32(sc + (i * ratio + r) * ATT_CHUNK + 16 * b, vsel(valid, hsum16(a) * ksv, splat(-INFINITY)));
+            }
+        }
+    }
+    /* softmax numerators and denominators, per query vector over its own blocks */
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = 0; r < ratio; r++) {
+            float *row = sc + (i * ratio + r) * ATT_CHUNK, *out = part + (i * ratio + r) * (d + 2);
+            if (blo[i] > bhi[i]) { out[0] = -INFINITY; continue; }  /* no position of this row here */
+            f32x16 mv = splat(-INFINITY), den = {0};
+            for (int64_t b = blo[i]; b <= bhi[i]; b++) { f32x16 s = load_f32(row + 16 * b); mv = vsel(s > mv, s, mv); }
+            const float m = hmax(mv);
+            for (int64_t b = blo[i]; b <= bhi[i]; b++) {
+                const f32x16 p = exp_nonpos(load_f32(row + 16 * b) - m);
+                store_f32(row + 16 * b, p);
+                den += p;
+            }
+            out[0] = m;
+            out[1] = hsum(den);
+        }
+    /* weighted sums of V */
+    for (int64_t j = jlo; j <= jhi; j++) {
+        const int64_t idx = at[j - cs];
+        f32x16 vv[16];
+        for (int64_t c = 0; c < nc; c++) vv[c] = load_kv(v_pages, idx, d, c, fp8);
+        const float vs = fp8 ? bf16_to_f32(v_scale[idx]) : 1.0f;
+        for (int64_t i = 0; i < n; i++) {
+            if (j < lo[i] || j > hi[i]) continue;
+            for (int64_t r = 0; r < ratio; r++) {
+                const float wgt = sc[(i * ratio + r) * ATT_CHUNK + j - cs] * vs;
+                for (int64_t c = 0; c < nc; c++) acc[i * ratio + r][c] += wgt * vv[c];
+            }
+        }
+    }
+    for (int64_t k = 0; k < nq; k++)
+        if (part[k * (d + 2)] != -INFINITY)
+            for (int64_t c = 0; c < nc; c++) store_f32(part + k * (d + 2) + 2 + c * 16, acc[k][c]);
+    free(sc); free(qv); free(acc);
+}
+
 void kvw_paged_attention(const float *q, int64_t S, int64_t h, int64_t hkv, int64_t d,
                          const void *k_pages, const void *v_pages, const uint16_t *k_scale,
                          const uint16_t *v_scale, int64_t block_size, const int32_t *tables,
                          int64_t max_blocks, const int32_t *ctx, int64_t window, float sm_scale,
                          float *out, int fp8, int nthreads) {
-    const int64_t ratio = h / hkv, nc = d / 16;
-    int64_t *starts = malloc(sizeof(int64_t) * (S + 1)), ng = 0;
+    const int64_t ratio = h / hkv, nc = d / 16, slot = d + 2;
+    int64_t *lo = malloc(sizeof(int64_t) * S), *hi = malloc(sizeof(int64_t) * S);  /* row s sees lo[s] .. hi[s] */
+    for (int64_t s = 0; s < S; s++) {
+        hi[s] = ctx[s] - 1;
+        lo[s] = window > 0 && hi[s] - window + 1 > 0 ? hi[s] - window + 1 : 0;
+    }
+    /* groups; then tasks (group, chunk, kv head) in that order, each with its slice of part */
+    int64_t *starts = malloc(sizeof(int64_t) * (S + 1)), *task0 = malloc(sizeof(int64_t) * (S + 1)), ng = 0, nt = 0;
     for (int64_t s = 0; s < S; s = att_group_end(tables, max_blocks, ctx, s, S)) starts[ng++] = s;
     starts[ng] = S;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < ng * hkv; task++) {
-        const int64_t s0 = starts[task / hkv], n = starts[task / hkv + 1] - s0, g = task % hkv;
-        const int32_t *tab = tables + s0 * max_blocks;
-        int64_t lo[ATT_GROUP], hi[ATT_GROUP];  /* row i sees positions lo[i] .. hi[i] */
-        for (int64_t i = 0; i < n; i++) {
-            hi[i] = ctx[s0 + i] - 1;
-            lo[i] = window > 0 && hi[i] - window + 1 > 0 ? hi[i] - window + 1 : 0;
-        }
-        const int64_t first = lo[0], last = hi[n - 1], L = last - first + 1;
-        const int64_t nq = n * ratio;  /* query vectors: row i, head r at i * ratio + r */
-        float *sc = (float *)malloc((size_t)(nq * L) * sizeof(float));
-        /* 64-byte aligned: vector loads and stores of f32x16 assume it */
-        f32x16 (*qv)[16] = aligned_alloc(64, sizeof(f32x16) * 16 * nq), (*acc)[16] = aligned_alloc(64, sizeof(f32x16) * 16 * nq);
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t r = 0; r < ratio; r++)
-                for (int64_t c = 0; c < nc; c++) {
-                    qv[i * ratio + r][c] = load_f32(q + (((s0 + i) * h) + g * ratio + r) * d + c * 16);
-                    acc[i * ratio + r][c] = (f32x16){0};
-                }
-        for (int64_t j = first; j <= last; j++) {
-            const int64_t idx = ((int64_t)tab[j / block_size] * hkv + g) * block_size + j % block_size;
-            f32x16 kv[16];
-            for (int64_t c = 0; c < nc; c++) kv[c] = load_kv(k_pages, idx, d, c, fp8);
-            const float ks = (fp8 ? bf16_to_f32(k_scale[idx]) : 1.0f) * sm_scale;
-            for (int64_t i = 0; i < n; i++) {
-                if (j < lo[i] || j > hi[i]) continue;
-                for (int64_t r = 0; r < ratio; r++) {
-                    const f32x16 *qq = qv[i * ratio + r];
-                    f32x16 a = qq[0] * kv[0];
-                    for (int64_t c = 1; c < nc; c++) a += qq[c] * kv[c];
-                    sc[(i * ratio + r) * L + j - first] = hsum(a) * ks;
-                }
-            }
-        }
-        float denom[ATT_GROUP * 8];
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t r = 0; r < ratio; r++) {
-                float *row = sc + (i * ratio + r) * L + (lo[i] - first), m = row[0], sum = 0.0f;
-                const int64_t len = hi[i] - lo[i] + 1;
-                for (int64_t j = 1; j < len; j++) m = row[j] > m ? row[j] : m;
-                for (int64_t j = 0; j < len; j++) { row[j] = expf(row[j] - m); sum += row[j]; }
-                denom[i * ratio + r] = sum;
-            }
-        for (int64_t j = first; j <= last; j++) {
-            const int64_t idx = ((int64_t)tab[j / block_size] * hkv + g) * block_size + j % block_size;
-            f32x16 vv[16];
-            for (int64_t c = 0; c < nc; c++) vv[c] = load_kv(v_pages, idx, d, c, fp8);
-            const float vs = fp8 ? bf16_to_f32(v_scale[idx]) : 1.0f;
-            for (int64_t i = 0; i < n; i++) {
-                if (j < lo[i] || j > hi[i]) continue;
-                for (int64_t r = 0; r < ratio; r++) {
-                    const float wgt = sc[(i * ratio + r) * L + j - first] * vs;
-                    for (int64_t c = 0; c < nc; c++) acc[i * ratio + r][c] += wgt * vv[c];
-                }
-            }
-        }
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t r = 0; r < ratio; r++) {
-                float inv = 1.0f / denom[i * ratio + r];
-                for (int64_t c = 0; c < nc; c++)
-                    store_f32(out + (((s0 + i) * h) + g * ratio + r) * d + c * 16, acc[i * ratio + r][c] * inv);
-            }
-        free(sc); free(qv); free(acc);
+    for (int64_t gi = 0; gi < ng; gi++) {
+        task0[gi] = nt;
+        nt += (hi[starts[gi + 1] - 1] / ATT_CHUNK - lo[starts[gi]] / ATT_CHUNK + 1) * hkv;
     }
-    free(starts);
+    task0[ng] = nt;
+    int64_t *tgroup = malloc(sizeof(int64_t) * nt), *toff = malloc(sizeof(int64_t) * (nt + 1));
+    toff[0] = 0;
+    for (int64_t gi = 0; gi < ng; gi++)
+        for (int64_t t = task0[gi]; t < task0[gi + 1]; t++) {
+            tgroup[t] = gi;
+            toff[t + 1] = toff[t] + (starts[gi + 1] - starts[gi]) * ratio * slot;
+        }
+    float *part = malloc(sizeof(float) * (toff[nt] > 0 ? toff[nt] : 1));
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t gi = tgroup[t], s0 = starts[gi], k = t - task0[gi];
+        const int64_t n = starts[gi + 1] - s0, g = k % hkv, cs = (lo[s0] / ATT_CHUNK + k / hkv) * ATT_CHUNK;
+        const int32_t *tab = tables + s0 * max_blocks;
+        /* head dims 64 and 128 with FP8 pages get their own copies, unrolled with the vectors in registers */
+#define ATTEND(D, FP8) attend_chunk(q, s0, n, h, hkv, D, g, cs, k_pages, v_pages, k_scale, v_scale, block_size, \
+                                    tab, lo + s0, hi + s0, sm_scale, FP8, part + toff[t])
+        if (d == 64 && fp8) ATTEND(64, 1);
+        else if (d == 128 && fp8) ATTEND(128, 1);
+        else ATTEND(d, fp8);
+#undef ATTEND
+    }
+    /* merge each (row, head)'s chunks in order */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (S * h >= 64)
+    for (int64_t sh = 0; sh < S * h; sh++) {
+        const int64_t s = sh / h, hh = sh % h, g = hh / ratio, r = hh % ratio;
+        int64_t gi = 0;
+        while (starts[gi + 1] <= s) gi++;
+        const int64_t i = s - starts[gi], nch = (task0[gi + 1] - task0[gi]) / hkv;
+        float m = -INFINITY;
+        for (int64_t c = 0; c < nch; c++) {
+            const float mc = part[toff[task0[gi] + c * hkv + g] + (i * ratio + r) * slot];
+            m = mc > m ? mc : m;
+        }
+        f32x16 acc[16] = {{0}};
+        float den = 0.0f;
+        for (int64_t c = 0; c < nch; c++) {
+            const float *p = part + toff[task0[gi] + c * hkv + g] + (i * ratio + r) * slot;
+            if (p[0] == -INFINITY) continue;
+            const float w = expf(p[0] - m);
+            den += w * p[1];
+            for (int64_t cc = 0; cc < nc; cc++) acc[cc] += w * load_f32(p + 2 + cc * 16);
+        }
+        const float inv = 1.0f / den;
+        for (int64_t cc = 0; cc < nc; cc++) store_f32(out + (s * h + hh) * d + cc * 16, acc[cc] * inv);
+    }
+    free(part); free(toff); free(tgroup); free(task0); free(starts); free(lo); free(hi);
 }
 
 /* ---- the whole decode step's layers in one call ------------------------------------------------ */

@@ -239,6 +239,39 @@ def test_paged_attention_groups_a_sequences_rows_without_changing_a_bit(fp8, win
         assert torch.equal(alone, together[i:i + 1]), i
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("d,bs,window", [(64, 16, None), (64, 16, 40), (128, 8, 70), (32, 32, None)])
+def test_paged_attention_over_many_chunks_and_windows(fp8, d, bs, window):
+    """Contexts of several position chunks (the kernel splits a row's positions into fixed chunks,
+    one task each, and merges their softmax partials), a verification group of 12 rows straddling
+    chunk boundaries (with a window, its first rows reach chunks its last rows do not), page sizes
+    other than 16 and head dims 32 and 128: within round-off of the reference, and each row's bits
+    alone equal its bits in the group, on 1 thread and on 2."""
+    g = torch.Generator().manual_seed(6 + d + bs)
+    pages = 400 // bs + 1
+    k, v, ks, vs = _pages(fp8, num_pages=pages, bs=bs, d=d)
+    n = pages * bs
+    reference.write_kv(k, v, ks, vs, torch.randn(n, 3, d, generator=g) * 2, torch.randn(n, 3, d, generator=g),
+                       torch.arange(n))
+    order = torch.randperm(pages, generator=g).tolist()
+    ctx = list(range(120, 132)) + [400, 1, 65]
+    tables = [order] * 12 + [order, order[::-1], order]
+    bt, ctx_t = torch.tensor(tables, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
+    if window is not None:  # pages wholly behind every row's window are given back
+        for s, c in enumerate(ctx):
+            for b in range((c - window) // bs if c > window else 0):
+                bt[s, b] = RELEASED
+    q = torch.randn(len(ctx), 9, d, generator=g)
+    together = cpu.paged_attention(q, k, v, ks, vs, bt, ctx_t, window, d ** -0.5, threads=2)
+    ref = reference.paged_decode_attention(q, k, v, ks, vs, bt, ctx_t, window, d ** -0.5)
+    torch.testing.assert_close(together, ref, rtol=1e-5, atol=1e-5)
+    for threads in (1, 2):
+        for i in range(len(ctx)):
+            alone = cpu.paged_attention(q[i:i + 1].clone(), k, v, ks, vs, bt[i:i + 1].clone(), ctx_t[i:i + 1].clone(),
+                                        window, d ** -0.5, threads=threads)
+            assert torch.equal(alone, together[i:i + 1]), (threads, i)
+
+
 def _probe(env: dict) -> str:
     import os
     import subprocess
