@@ -143,6 +143,9 @@ def test_rms_norm_and_silu_mul():
     torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
     gu = torch.randn(4, 2 * 96, generator=g)
     torch.testing.assert_close(cpu.silu_mul(gu), F.silu(gu[:, :96]) * gu[:, 96:])
+    # 16 at a time plus a scalar tail (100 = 6 x 16 + 4), gates far past exp's range both ways
+    gu = torch.randn(3, 2 * 100, generator=g) * torch.tensor([1.0, 30.0, 200.0])[:, None]
+    torch.testing.assert_close(cpu.silu_mul(gu), F.silu(gu[:, :100]) * gu[:, 100:])
 
 
 def test_rope_split_matches_model():
