@@ -6,8 +6,9 @@
  * AVX512-VNNI int8 dot products; no torch headers): it compiles in about a second and is called
  * through ctypes with raw pointers.
  *
- * Determinism: every output element is computed by one thread with the same sequence of
- * operations whatever the number of rows in the call, the tile it falls in or the thread count.
+ * Determinism: every output element is computed with the same sequence of operations whatever
+ * the number of rows in the call, the tile it falls in or the thread count (by one thread, except
+ * attention, whose fixed position chunks are merged in order; see kvw_paged_attention).
  * So a row's result does not depend on what it was batched with: a speculative verification of
  * k + 1 rows gives each row exactly the logits one-row decoding gives (greedy exactness).
  *
