@@ -38,7 +38,7 @@ _V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma",
 LEVELS = {"x86-64-v4-vnni": (_V4 + ("avx512_vnni",)), "x86-64-v4": _V4,
           "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
 MARCH = {"x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}  # compiler flags, where not -march=LEVEL
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -54,12 +54,14 @@ SIGNATURES = {
     "kvw_linear_i8a8": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_quantize_act8": [P, I64, I64, P, P, P],
     "kvw_gemm_i8a8": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_linear_bf16a16": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
 }
 WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C file's WT_* codes
 WT_I8A8 = 3  # int8 weights x int8 activations (blocks of 32), AVX512-VNNI builds only
 WT_I8A8_PACKED = 4  # the same, weights as pack_i8a8 lays them out (kvw_gemm_i8a8)
+WT_BF16A16 = 5  # bf16 weights x bf16 activations (kvw_linear_bf16a16), AVX512-BF16 builds only
 
 
 class LinearDesc(ctypes.Structure):
@@ -164,6 +166,7 @@ def library() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
         lib.kvw_has_vnni.argtypes, lib.kvw_has_vnni.restype = [], ctypes.c_int
+        lib.kvw_has_bf16.argtypes, lib.kvw_has_bf16.restype = [], ctypes.c_int
         return lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         unavailable_reason = f"CPU kernels unavailable: {e}"
@@ -185,6 +188,31 @@ def int8_activations() -> bool:
     lib = library()
     off = os.environ.get("KVWIRE_INT8_ACTIVATIONS", "auto").lower() in ("0", "off", "false", "no")
     return lib is not None and bool(lib.kvw_has_vnni()) and not off
+
+
+def bf16_activations() -> bool:
+    """Whether bf16 layers of the fused decode step take bf16 activations (rounded once per call,
+    multiplied by ``vdpbf16ps``, ``kvw_linear_bf16a16``): where the library was built with
+    AVX512-BF16, unless ``KVWIRE_BF16_ACTIVATIONS=0`` keeps them fp32. From the CPU's flags and the
+    environment only, as ``int8_activations``."""
+    lib = library()
+    off = os.environ.get("KVWIRE_BF16_ACTIVATIONS", "auto").lower() in ("0", "off", "false", "no")
+    return lib is not None and bool(lib.kvw_has_bf16()) and not off
+
+
+def linear_bf16a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                   threads: int | None = None) -> torch.Tensor:
+    """``linear`` for bf16 w with x rounded to bf16 first (AVX512-BF16 builds; in % 32 == 0)."""
+    _check(x, torch.float32, "x")
+    _check(w, torch.bfloat16, "w")
+    if x.shape[1] % 32 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"linear_bf16a16: in_features must match and be a multiple of 32, got {x.shape[1]}, {w.shape[1]}")
+    _check_f32(scale=scale, bias=bias, residual=residual)
+    y = torch.empty(x.shape[0], w.shape[0])
+    library().kvw_linear_bf16a16(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(),
+                                 _ptr(scale), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())
+    return y
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -58,6 +58,8 @@ def linear_desc(module: torch.nn.Module, keep: list) -> cpu.LinearDesc | None:
     wt = cpu.WEIGHT_TYPES[w.dtype]
     if w.dtype == torch.int8 and scale is not None and w.shape[1] % 64 == 0 and cpu.int8_activations():
         wt = cpu.WT_I8A8  # int8 x int8 (VNNI), activations per block of 32 (see kvwire_kernels/cpu.py)
+    elif w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and cpu.bf16_activations():
+        wt = cpu.WT_BF16A16  # bf16 x bf16 (AVX512-BF16), activations rounded once per call
     return cpu.LinearDesc(ptr(tensors[0]), ptr(tensors[1]), ptr(tensors[2]), w.shape[1], w.shape[0], wt)
 
 
@@ -72,7 +74,8 @@ class FastDecode:
         self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.vocab = head.out_features
-        self._head_fn = {cpu.WT_I8A8: lib.kvw_linear_i8a8, cpu.WT_I8A8_PACKED: lib.kvw_gemm_i8a8}.get(head.wt) or \
+        self._head_fn = {cpu.WT_I8A8: lib.kvw_linear_i8a8, cpu.WT_I8A8_PACKED: lib.kvw_gemm_i8a8,
+                         cpu.WT_BF16A16: lib.kvw_linear_bf16a16}.get(head.wt) or \
             getattr(lib, cpu.LINEAR_FN[model.lm_head.weight.dtype])
 
     @classmethod

@@ -3,7 +3,8 @@
 Both paths run on one loaded model and two caches filled by the same prompt (prompts always take
 the PyTorch path); then decode and verification steps go through each. The fused path must give
 the same logits within the activations' rounding (the PyTorch int8/bf16 paths round activations
-to bf16; the fused one keeps them fp32, or int8 per block of 32 into int8 layers on VNNI CPUs), and each row must be bit-identical whatever it was batched
+to bf16; the fused one keeps them fp32, except int8 per block of 32 into int8 layers on VNNI CPUs
+and bf16 into bf16 layers on AVX512-BF16 CPUs), and each row must be bit-identical whatever it was batched
 with: one token at a time, k + 1 tokens of a verification, or beside other sequences.
 """
 from __future__ import annotations
@@ -58,9 +59,9 @@ def test_fused_step_matches_pytorch(weights, kv, tol):
         feed = [[int(t)] for t in b.argmax(-1)]
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "bf16"])
-def test_rows_do_not_depend_on_their_batch(kv):
-    rt = runtime("int8", kv)
+@pytest.mark.parametrize("weights,kv", [("int8", "fp8_e4m3"), ("int8", "bf16"), ("bf16", "fp8_e4m3")])
+def test_rows_do_not_depend_on_their_batch(weights, kv):
+    rt = runtime(weights, kv)
     alone, together = filled(rt), filled(rt)
     proposals = [40, 41, 42, 43]
     one_by_one = torch.cat([step(rt, alone, [0], [[t]], fused=True) for t in proposals])  # plain decoding
@@ -84,6 +85,15 @@ def test_int8_layers_take_int8_activations_where_the_cpu_has_vnni(monkeypatch):
     monkeypatch.setenv("KVWIRE_INT8_ACTIVATIONS", "0")
     fp32_acts = runtime("int8", "fp8_e4m3").model.step_fn
     assert {layer.down.wt for layer in fp32_acts.layers} == {cpu.WEIGHT_TYPES[torch.int8]}
+
+
+def test_bf16_layers_take_bf16_activations_where_the_cpu_has_avx512_bf16(monkeypatch):
+    fast = runtime("bf16", "fp8_e4m3").model.step_fn
+    kinds = {d.wt for layer in fast.layers for d in (layer.qkv, layer.o, layer.gate_up, layer.down)} | {fast.head.wt}
+    assert kinds == ({cpu.WT_BF16A16} if cpu.library().kvw_has_bf16() else {cpu.WEIGHT_TYPES[torch.bfloat16]})
+    monkeypatch.setenv("KVWIRE_BF16_ACTIVATIONS", "0")
+    fp32_acts = runtime("bf16", "fp8_e4m3").model.step_fn
+    assert {layer.down.wt for layer in fp32_acts.layers} == {cpu.WEIGHT_TYPES[torch.bfloat16]}
 
 
 def test_disabled_by_environment(monkeypatch):

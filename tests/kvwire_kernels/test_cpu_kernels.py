@@ -137,6 +137,24 @@ def test_gemm_i8a8_rows_independent_of_batch_and_threads():
     assert torch.equal(cpu.gemm_i8a8(x[3:20].clone(), packed, scale, threads=2), full[3:20])
 
 
+@pytest.mark.skipif(not cpu.bf16_activations(), reason="library built without AVX512-BF16 (or KVWIRE_BF16_ACTIVATIONS=0)")
+@pytest.mark.parametrize("rows,n_in,n_out", [(1, 576, 960), (5, 1536, 576), (9, 96, 37), (16, 64, 13)])
+def test_linear_bf16a16_rounds_activations_to_bf16_and_rows_stay_independent(rows, n_in, n_out):
+    """bf16 x bf16 (vdpbf16ps): the products of x rounded to bf16 and the stored weights, summed in
+    fp32 (96 = one 64-input step and a 32-input tail); a row alone gives the same bits."""
+    g = torch.Generator().manual_seed(rows + n_in)
+    x, w = torch.randn(rows, n_in, generator=g) * 3, torch.randn(n_out, n_in, generator=g).bfloat16()
+    scale, bias, res = torch.rand(n_out, generator=g), torch.randn(n_out, generator=g), torch.randn(rows, n_out, generator=g)
+    y = cpu.linear_bf16a16(x, w, scale, bias, res, threads=2)
+    ref = res + (F.linear(x.bfloat16().double(), w.double()) * scale.double() + bias.double()).float()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * n_in ** 0.5)
+    fp32_x = res + (F.linear(x.double(), w.double()) * scale.double() + bias.double()).float()
+    assert not torch.allclose(y, fp32_x, rtol=1e-6, atol=1e-6)  # the activations were rounded
+    for i in range(rows):
+        alone = cpu.linear_bf16a16(x[i:i + 1].clone(), w, scale, bias, res[i:i + 1].clone(), threads=1)
+        assert torch.equal(alone, y[i:i + 1]), i
+
+
 def test_rms_norm_and_silu_mul():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 576, generator=g), torch.rand(576, generator=g)
