@@ -35,10 +35,20 @@ ROLES = ("prefill", "decode")
 SERVICE_SPINCOUNT = "10000"
 
 
+# MKL's strict conditional numerical reproducibility: fp32 matmuls (the PyTorch path's F.linear for
+# fp32 weights) give the same bits on any thread count. Without it MKL splits some shapes
+# differently on 1 and 2 threads (SmolLM2's 576-wide layers at 7 or 10 rows; the embedded model's
+# 11-token chat prompt), so a prompt prefilled while the other service held a core got different
+# pages than the same prompt prefilled alone, and greedy output changed between identical requests.
+SERVICE_MKL_CBWR = "AUTO,STRICT"
+
+
 def service_openmp_env() -> None:
-    """Set the services' OpenMP spin (unless the environment already sets one). Effective only
-    before torch is imported: libgomp reads its environment once, when it is loaded."""
+    """Set the services' OpenMP spin and MKL's thread-count-independent mode (unless the
+    environment already sets them). Effective only before torch is imported: libgomp and MKL read
+    their environment once, when they are loaded."""
     os.environ.setdefault("GOMP_SPINCOUNT", SERVICE_SPINCOUNT)
+    os.environ.setdefault("MKL_CBWR", SERVICE_MKL_CBWR)
 
 
 def compute_executor(name: str) -> ThreadPoolExecutor:

@@ -3,6 +3,7 @@ across real processes, and the threads prefill forwards and decode steps really 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -150,3 +151,42 @@ def test_prefill_stays_marked_busy_between_queued_forwards(llm, tmp_path, restor
     with pytest.raises(Aborted):  # the queued one was cancelled before it ran: idle all the same
         runner.forward(runner.new_sequence(), [1, 2, 3], lambda layer: None, cancelled)
     assert path.read_bytes()[0] == 0
+
+
+_PROMPT_ON_1_AND_2_THREADS = """
+import hashlib, torch, sys
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import KVDtype, QuantMode
+from kvwire.runtime import EngineConfig, load_engine
+rt = load_engine(EngineConfig(DEFAULT_MODEL_DIR, weights=QuantMode.NONE, kv_dtype=KVDtype.FP8_E4M3, num_pages=64))
+ids = list(range(20, 31))  # 11 tokens: a row count MKL splits differently on 1 and 2 threads
+out = []
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    cache = rt.new_cache()
+    logits = rt.model(torch.tensor(ids), cache.prepare([0], [len(ids)]), cache)
+    h = hashlib.sha256(logits.numpy().tobytes())
+    for layer in range(rt.model_config.num_layers):
+        for t in cache.layer_tensors(layer):
+            if t is not None:
+                h.update(t.view(torch.uint8).numpy().tobytes())
+    out.append(h.hexdigest())
+print(out[0] == out[1])
+"""
+
+
+def test_services_prefill_the_same_bits_on_any_thread_count():
+    """Lending changes a service's thread count from one unit of work to the next, so a prompt's
+    pages and logits must not depend on it: the services set MKL_CBWR (fp32 matmuls of the
+    PyTorch path). The same forward without it differs on this machine's MKL, which shows the
+    check can fail."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    run = lambda e: subprocess.run([sys.executable, "-c", _PROMPT_ON_1_AND_2_THREADS], env=e, check=True,  # noqa: E731
+                                   capture_output=True, text=True).stdout.strip()
+    services = dict(env)
+    code = "import os; from kvwire.cores import service_openmp_env; service_openmp_env(); print(os.environ['MKL_CBWR'])"
+    services["MKL_CBWR"] = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
+                                          text=True).stdout.strip()
+    assert run(services) == "True"
+    if torch.backends.mkl.is_available():
+        assert run(env) == "False", "MKL gave the same bits without MKL_CBWR: the check above proves nothing here"
