@@ -186,8 +186,11 @@ def int8_activations() -> bool:
     ``KVWIRE_INT8_ACTIVATIONS=0`` keeps them fp32 / bf16. Read from the CPU's flags and the
     environment, never from timing, so every process on a machine computes the same numbers."""
     lib = library()
-    off = os.environ.get("KVWIRE_INT8_ACTIVATIONS", "auto").lower() in ("0", "off", "false", "no")
-    return lib is not None and bool(lib.kvw_has_vnni()) and not off
+    return lib is not None and bool(lib.kvw_has_vnni()) and not _switched_off("KVWIRE_INT8_ACTIVATIONS")
+
+
+def _switched_off(variable: str) -> bool:
+    return os.environ.get(variable, "auto").lower() in ("0", "off", "false", "no")
 
 
 def bf16_activations() -> bool:
@@ -196,8 +199,7 @@ def bf16_activations() -> bool:
     AVX512-BF16, unless ``KVWIRE_BF16_ACTIVATIONS=0`` keeps them fp32. From the CPU's flags and the
     environment only, as ``int8_activations``."""
     lib = library()
-    off = os.environ.get("KVWIRE_BF16_ACTIVATIONS", "auto").lower() in ("0", "off", "false", "no")
-    return lib is not None and bool(lib.kvw_has_bf16()) and not off
+    return lib is not None and bool(lib.kvw_has_bf16()) and not _switched_off("KVWIRE_BF16_ACTIVATIONS")
 
 
 def linear_bf16a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
