@@ -15,7 +15,10 @@ is ``kvwire.model.model``'s. Activations stay fp32 (the PyTorch int8 and bf16 pa
 bf16), except into int8 layers on CPUs with AVX512-VNNI: there they are quantized to int8 per block
 of 32 values, as llama.cpp's q8_0 does, and multiplied in int8 (``kvwire_kernels.cpu.int8_activations``;
 ``KVWIRE_INT8_ACTIVATIONS=0`` keeps fp32), which measured +0.75% perplexity on SmolLM2-135M-Instruct
-(``python -m bench accuracy``) for about twice the matvec speed. K/V bytes written are
+(``python -m bench accuracy``) for about twice the matvec speed; and into bf16 layers (bf16, fp8
+weights) on CPUs with AVX512-BF16: there they are rounded to bf16 and multiplied by ``vdpbf16ps``
+(``kvwire_kernels.cpu.bf16_activations``; ``KVWIRE_BF16_ACTIVATIONS=0`` keeps fp32), bf16/fp8
+perplexity +0.34% against +0.20%, batched steps 1.8-2x faster. K/V bytes written are
 ``kvwire_kernels.reference.write_kv``'s bit for bit.
 Every row's result is independent of the other rows of the step (see the C file), so verifying
 k + 1 tokens gives each the logits of decoding it alone.
