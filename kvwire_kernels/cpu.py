@@ -33,11 +33,13 @@ SOURCE = Path(__file__).resolve().parent / "cpu" / "kvwire_cpu.c"
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 PREBUILT = Path(__file__).resolve().parent / "cpu" / "prebuilt"
 # Portable ISA levels for prebuilt binaries, best first, with the /proc/cpuinfo flags each needs.
-# x86-64-v4-vnni adds vpdpbusd (the int8 x int8 linear, kvw_linear_i8a8) to x86-64-v4.
+# x86-64-v4-vnni adds vpdpbusd (the int8 x int8 GEMM) to x86-64-v4, and x86-64-v4-vnni-bf16 also
+# vdpbf16ps (bf16 activations into bf16 layers: Sapphire Rapids, Zen 4 and later).
 _V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2")
-LEVELS = {"x86-64-v4-vnni": (_V4 + ("avx512_vnni",)), "x86-64-v4": _V4,
-          "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
-MARCH = {"x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}  # compiler flags, where not -march=LEVEL
+LEVELS = {"x86-64-v4-vnni-bf16": (_V4 + ("avx512_vnni", "avx512_bf16")), "x86-64-v4-vnni": (_V4 + ("avx512_vnni",)),
+          "x86-64-v4": _V4, "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
+MARCH = {"x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # where not -march=LEVEL
+         "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}
 ABI_VERSION = 5
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
@@ -378,7 +380,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(prog="python -m kvwire_kernels.cpu", description="Build the CPU decode kernels.")
-    ap.add_argument("--prebuild", type=Path, metavar="DIR", help="compile the portable x86-64-v4-vnni/v4/v3 binaries into DIR")
+    ap.add_argument("--prebuild", type=Path, metavar="DIR", help="compile the portable x86-64-v4-vnni-bf16/v4-vnni/v4/v3 binaries into DIR")
     args = ap.parse_args()
     if args.prebuild:
         for p in prebuild(args.prebuild):

@@ -297,7 +297,8 @@ def _probe(env: dict) -> str:
     import os
     import subprocess
     import sys
-    code = "from kvwire_kernels import cpu; lib = cpu.library(); print(lib._name if lib else 'None', cpu.unavailable_reason)"
+    code = ("from kvwire_kernels import cpu; lib = cpu.library(); "
+            "print(lib._name if lib else 'None', cpu.unavailable_reason, lib and lib.kvw_has_vnni(), lib and lib.kvw_has_bf16())")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, **env}).stdout.strip()
 
@@ -310,6 +311,8 @@ def test_prebuilt_binaries_serve_where_there_is_no_compiler(tmp_path):
     flags = set(cpu._cpu_flags().split())
     best = next(level for level, need in cpu.LEVELS.items() if flags.issuperset(need))
     assert out.startswith(str(cpu.prebuilt_path(best, tmp_path))), out
+    # the binary has the int8 and bf16 dot-product paths exactly where the CPU does
+    assert out.endswith(f"{int('avx512_vnni' in flags)} {int('avx512_bf16' in flags)}"), out
 
 
 def test_no_compiler_and_no_prebuilt_falls_back_with_a_reason(tmp_path):
