@@ -212,11 +212,7 @@ def linear_bf16a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None 
     _check(w, torch.bfloat16, "w")
     if x.shape[1] % 32 or w.shape[1] != x.shape[1]:
         raise ValueError(f"linear_bf16a16: in_features must match and be a multiple of 32, got {x.shape[1]}, {w.shape[1]}")
-    _check_f32(scale=scale, bias=bias, residual=residual)
-    y = torch.empty(x.shape[0], w.shape[0])
-    library().kvw_linear_bf16a16(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(),
-                                 _ptr(scale), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())
-    return y
+    return _run_linear("kvw_linear_bf16a16", x, w, scale, bias, residual, threads)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -246,13 +242,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
     _check(x, torch.float32, "x")
     if w.dtype not in LINEAR_FN or not w.is_contiguous():
         raise ValueError(f"w: expected a contiguous int8, bfloat16 or float32 tensor, got {w.dtype}")
-    rows, n_in = x.shape
-    n_out = w.shape[0]
+    return _run_linear(LINEAR_FN[w.dtype], x, w, scale, bias, residual, threads)
+
+
+def _run_linear(fn: str, x: torch.Tensor, w: torch.Tensor, scale, bias, residual, threads) -> torch.Tensor:
+    """The kvw_linear_* calls' common part: y [rows, out] fp32 = fn(x, w) * scale + bias + residual."""
     _check_f32(scale=scale, bias=bias, residual=residual)
-    y = torch.empty(rows, n_out, dtype=torch.float32)
-    getattr(library(), LINEAR_FN[w.dtype])(x.data_ptr(), rows, n_in, w.data_ptr(), n_out, y.data_ptr(),
-                                           _ptr(scale), _ptr(bias), _ptr(residual),
-                                           threads or torch.get_num_threads())
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    getattr(library(), fn)(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(),
+                           _ptr(scale), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())
     return y
 
 
@@ -275,11 +273,7 @@ def linear_i8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     _check(w, torch.int8, "w")
     if x.shape[1] % 64 or w.shape[1] != x.shape[1]:
         raise ValueError(f"linear_i8a8: in_features must match and be a multiple of 64, got {x.shape[1]}, {w.shape[1]}")
-    _check_f32(scale=scale, bias=bias, residual=residual)
-    y = torch.empty(x.shape[0], w.shape[0])
-    library().kvw_linear_i8a8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr(),
-                              scale.data_ptr(), _ptr(bias), _ptr(residual), threads or torch.get_num_threads())
-    return y
+    return _run_linear("kvw_linear_i8a8", x, w, scale, bias, residual, threads)
 
 
 def pack_i8a8(w: torch.Tensor) -> torch.Tensor:

@@ -203,15 +203,21 @@ ALWAYS_INLINE void linear_range(const float *x, int64_t rows, int64_t in, const 
     }
 }
 
+/* Inside a parallel region: this thread's contiguous range of output rows [o0, o1), in multiples
+ * of 8, so each output element has one owner whatever the thread count. */
+ALWAYS_INLINE void thread_outputs(int64_t out, int64_t *o0, int64_t *o1) {
+    const int64_t chunks = (out + 7) / 8, nt = omp_get_num_threads(), id = omp_get_thread_num();
+    *o0 = chunks * id / nt * 8;
+    *o1 = chunks * (id + 1) / nt * 8 < out ? chunks * (id + 1) / nt * 8 : out;
+}
+
 static void linear(const float *x, int64_t rows, int64_t in, const void *w, int64_t out, float *y,
                    const float *scale, const float *bias, const float *res, int nthreads, const int wt) {
     /* Threads take contiguous ranges of output rows (multiples of 8), so each element has one owner. */
-    int64_t chunks = (out + 7) / 8;
 #pragma omp parallel num_threads(nthreads)
     {
-        int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        int64_t c0 = chunks * id / nt, c1 = chunks * (id + 1) / nt;
-        int64_t o0 = c0 * 8, o1 = c1 * 8 < out ? c1 * 8 : out;
+        int64_t o0, o1;
+        thread_outputs(out, &o0, &o1);
         if (o0 < o1) {
             if (wt == WT_I8) linear_range(x, rows, in, w, out, o0, o1, y, scale, bias, res, WT_I8);
             else if (wt == WT_BF16) linear_range(x, rows, in, w, out, o0, o1, y, scale, bias, res, WT_BF16);
@@ -318,12 +324,10 @@ void kvw_linear_bf16a16(const float *x, int64_t rows, int64_t in, const uint16_t
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k));
         _mm512_storeu_si512(xb + k, (__m512i)v);
     }
-    const int64_t chunks = (out + 7) / 8;
 #pragma omp parallel num_threads(nthreads)
     {
-        int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        int64_t c0 = chunks * id / nt, c1 = chunks * (id + 1) / nt;
-        int64_t o0 = c0 * 8, o1 = c1 * 8 < out ? c1 * 8 : out;
+        int64_t o0, o1;
+        thread_outputs(out, &o0, &o1);
         if (o0 < o1) range_bf16(xb, rows, in, w, out, o0, o1, y, scale, bias, res);
     }
     free(xb);
@@ -453,12 +457,10 @@ void kvw_linear_i8a8(const float *x, int64_t rows, int64_t in, const int8_t *w, 
 #ifdef KVW_VNNI
     act8_t a = {malloc((size_t)rows * in), malloc((size_t)rows * in), malloc(sizeof(float) * rows)};
     quantize_act8(x, rows, in, a);
-    int64_t chunks = (out + 7) / 8;
 #pragma omp parallel num_threads(nthreads)
     {
-        int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        int64_t c0 = chunks * id / nt, c1 = chunks * (id + 1) / nt;
-        int64_t o0 = c0 * 8, o1 = c1 * 8 < out ? c1 * 8 : out;
+        int64_t o0, o1;
+        thread_outputs(out, &o0, &o1);
         if (o0 < o1) range_i8a8(a, rows, in, w, out, o0, o1, y, scale, bias, res);
     }
     free(a.q); free(a.s); free(a.k);
