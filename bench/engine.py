@@ -86,9 +86,15 @@ def main(argv: list[str] | None = None) -> dict:
             res = run_one({**base, **spec}, args.timeout_s, args.in_process)
         except subprocess.TimeoutExpired:
             res = {"error": f"timed out after {args.timeout_s:.0f} s"}
+        if spec["engine"] == "llama.cpp" and res.get("error", "").startswith("exit code -11"):
+            # llama.cpp's repacked weight buffers (its AMX-INT8 q8_0 path, llama-cpp-python 0.3.36)
+            # crash with more than one token per batch on some CPUs: run it again on its plain kernels.
+            tqdm.write(f"{name} crashed (SIGSEGV); again without llama.cpp's extra weight buffers")
+            res = run_one({**base, **spec, "extra_bufts": False}, args.timeout_s, args.in_process)
+            res["note"] = "crashed with llama.cpp's repacked (AMX) weight buffers; run without them"
         res = {**spec, **res, "engine": name, "kind": spec["engine"]}
         if "decode_tok_s" in res:
-            roof = facts["memory_bandwidth_gbs"] * 1e9 / res["weight_bytes_per_token"]
+            roof = machine.roofline_gbs(facts) * 1e9 / res["weight_bytes_per_token"]
             res |= {"roofline_tok_s": roof, "roofline_pct": 100 * res["decode_tok_s"] / roof}
         results.append(res)
         tqdm.write(json.dumps({k: v for k, v in res.items() if k != "model_dir"}))
@@ -118,6 +124,7 @@ def markdown(report: dict) -> str:
     lines.append(common.table(["engine", "prefill tok/s", "decode tok/s (batch 1, after the prompt)"]
                               + [f"batch {b} tok/s (ctx {report['batch_ctx']})" for b in bs]
                               + ["peak RSS MB", "weight MB/token", "% of roofline"], body))
+    lines += [f"\n{r['engine']}: {r['note']}." for r in rows if r.get("note")]
     ours = [r for r in rows if r["engine"].startswith("kvwire") and not r.get("error")]
     peers = [r for r in rows if not r["engine"].startswith("kvwire") and not r.get("error")]
     if ours and peers:

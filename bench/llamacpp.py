@@ -225,7 +225,9 @@ def run_llamacpp(s: dict) -> dict:
     nmax = max(s["batches"])
     n_ctx = max(s["prompt_len"], nmax * s["batch_ctx"]) + nmax * (s["decode_tokens"] + 32)
     L.llama_backend_init()
-    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = s.get("extra_bufts", True)  # llama.cpp's repacked weights (AMX, ...): its default
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
     cp = L.llama_context_default_params()

@@ -29,6 +29,20 @@ def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / best / 1e9
 
 
+def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes read per second summing a buffer far larger than the caches, best of `repeats`: what a
+    decode step does with its weights, so the roofline is put against this, not the copy figure
+    (on some machines a copy runs at half the read rate: writes cost more than reads there)."""
+    a = torch.ones(mib << 18)  # mib MiB of float32
+    a.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
+
+
 def cpu_info() -> dict:
     model, flags = platform.processor() or platform.machine(), set()
     try:
@@ -47,12 +61,22 @@ def facts(bandwidth: bool = True) -> dict:
     return {**cpu_info(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
-            "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2) if bandwidth else None}
+            "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2) if bandwidth else None,
+            "read_bandwidth_gbs": round(read_bandwidth_gbs(), 2) if bandwidth else None}
+
+
+def roofline_gbs(f: dict) -> float:
+    """The bandwidth a decode step's roofline is put against: the read figure (reports written
+    before it was measured: the copy figure)."""
+    return f.get("read_bandwidth_gbs") or f["memory_bandwidth_gbs"]
 
 
 def describe(f: dict) -> str:
-    bw = f"{f['memory_bandwidth_gbs']} GB/s copy bandwidth (measured in this run)" if f.get("memory_bandwidth_gbs") \
-        else "bandwidth not measured"
+    bw = f"{f['memory_bandwidth_gbs']} GB/s copy bandwidth" if f.get("memory_bandwidth_gbs") else "bandwidth not measured"
+    if f.get("read_bandwidth_gbs"):
+        bw += f", {f['read_bandwidth_gbs']} GB/s read bandwidth (both measured in this run; rooflines use the read one)"
+    elif f.get("memory_bandwidth_gbs"):
+        bw += " (measured in this run)"
     return (f"Machine: {f['cpu']}, {f['cores']} cores ({f['torch_threads']} torch threads), "
             f"{f['memory_gib']} GiB, ISA {' '.join(f['isa']) or '-'}; {bw}; torch {f['torch']}; "
             f"1-minute load average {f.get('load_avg_1m', '-')} at the start (other work on the shared CPU).")

@@ -17,6 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import machine  # noqa: E402
+
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
@@ -53,7 +55,7 @@ def serve(report: dict, out: Path, stem: str) -> list[Path]:
 
 def engine(report: dict, out: Path, stem: str) -> list[Path]:
     rows = [r for r in report["results"] if not r.get("error")]
-    bw = report["machine"]["memory_bandwidth_gbs"] * 1e9
+    bw = machine.roofline_gbs(report["machine"]) * 1e9
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     ax = axes[0]
     xs = np.geomspace(min(r["weight_bytes_per_token"] for r in rows) / 2,

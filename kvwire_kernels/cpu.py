@@ -33,14 +33,17 @@ SOURCE = Path(__file__).resolve().parent / "cpu" / "kvwire_cpu.c"
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 PREBUILT = Path(__file__).resolve().parent / "cpu" / "prebuilt"
 # Portable ISA levels for prebuilt binaries, best first, with the /proc/cpuinfo flags each needs.
-# x86-64-v4-vnni adds vpdpbusd (the int8 x int8 GEMM) to x86-64-v4, and x86-64-v4-vnni-bf16 also
-# vdpbf16ps (bf16 activations into bf16 layers: Sapphire Rapids, Zen 4 and later).
+# x86-64-v4-vnni adds vpdpbusd (the int8 x int8 GEMM) to x86-64-v4, x86-64-v4-vnni-bf16 also
+# vdpbf16ps (bf16 activations into bf16 layers: Sapphire Rapids, Zen 4 and later), and
+# x86-64-v4-vnni-bf16-amx the AMX-INT8 tiles of the GEMM's many-row case (Sapphire Rapids and later).
 _V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2")
-LEVELS = {"x86-64-v4-vnni-bf16": (_V4 + ("avx512_vnni", "avx512_bf16")), "x86-64-v4-vnni": (_V4 + ("avx512_vnni",)),
-          "x86-64-v4": _V4, "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
-MARCH = {"x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # where not -march=LEVEL
+_BF16 = _V4 + ("avx512_vnni", "avx512_bf16")
+LEVELS = {"x86-64-v4-vnni-bf16-amx": _BF16 + ("amx_tile", "amx_int8"), "x86-64-v4-vnni-bf16": _BF16,
+          "x86-64-v4-vnni": (_V4 + ("avx512_vnni",)), "x86-64-v4": _V4, "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
+MARCH = {"x86-64-v4-vnni-bf16-amx": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"],
+         "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # where not -march=LEVEL
          "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}
-ABI_VERSION = 5
+ABI_VERSION = 6
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -169,6 +172,8 @@ def library() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = args, None
         lib.kvw_has_vnni.argtypes, lib.kvw_has_vnni.restype = [], ctypes.c_int
         lib.kvw_has_bf16.argtypes, lib.kvw_has_bf16.restype = [], ctypes.c_int
+        lib.kvw_set_amx.argtypes, lib.kvw_set_amx.restype = [ctypes.c_int], ctypes.c_int
+        lib.kvw_set_amx(int(not _switched_off("KVWIRE_AMX")))
         return lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         unavailable_reason = f"CPU kernels unavailable: {e}"
@@ -193,6 +198,16 @@ def int8_activations() -> bool:
 
 def _switched_off(variable: str) -> bool:
     return os.environ.get(variable, "auto").lower() in ("0", "off", "false", "no")
+
+
+def amx() -> bool:
+    """Whether the int8 x int8 GEMM (``kvw_gemm_i8a8``) multiplies 3 rows or more on AMX tiles:
+    where the library was built with AMX-INT8 (Sapphire Rapids and later), Linux granted the tile
+    state, and ``KVWIRE_AMX=0`` does not switch it off. The numbers are the same bits either way
+    (the block sums are exact integers; the fp32 steps after them are VNNI's), so this is a speed
+    choice only."""
+    lib = library()
+    return lib is not None and bool(lib.kvw_set_amx(int(not _switched_off("KVWIRE_AMX"))))
 
 
 def bf16_activations() -> bool:
@@ -374,7 +389,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(prog="python -m kvwire_kernels.cpu", description="Build the CPU decode kernels.")
-    ap.add_argument("--prebuild", type=Path, metavar="DIR", help="compile the portable x86-64-v4-vnni-bf16/v4-vnni/v4/v3 binaries into DIR")
+    ap.add_argument("--prebuild", type=Path, metavar="DIR", help="compile the portable x86-64-v4-vnni-bf16-amx/v4-vnni-bf16/v4-vnni/v4/v3 binaries into DIR")
     args = ap.parse_args()
     if args.prebuild:
         for p in prebuild(args.prebuild):

@@ -178,8 +178,9 @@ print(out[0] == out[1])
 def test_services_prefill_the_same_bits_on_any_thread_count():
     """Lending changes a service's thread count from one unit of work to the next, so a prompt's
     pages and logits must not depend on it: the services set MKL_CBWR (fp32 matmuls of the
-    PyTorch path). The same forward without it differs on this machine's MKL, which shows the
-    check can fail."""
+    PyTorch path). The same forward without it differs on the AMD EPYC this was found on (MKL
+    picks per-thread-count kernels there), which shows the check can fail; where MKL happens to
+    agree without it (the Intel Xeon with AMX it was run on later), the test says so by skipping."""
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
     run = lambda e: subprocess.run([sys.executable, "-c", _PROMPT_ON_1_AND_2_THREADS], env=e, check=True,  # noqa: E731
                                    capture_output=True, text=True).stdout.strip()
@@ -188,5 +189,6 @@ def test_services_prefill_the_same_bits_on_any_thread_count():
     services["MKL_CBWR"] = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
                                           text=True).stdout.strip()
     assert run(services) == "True"
-    if torch.backends.mkl.is_available():
-        assert run(env) == "False", "MKL gave the same bits without MKL_CBWR: the check above proves nothing here"
+    if torch.backends.mkl.is_available() and run(env) == "True":
+        pytest.skip("this CPU's MKL gives the same bits on 1 and 2 threads without MKL_CBWR too: "
+                    "the check above passed but cannot show here that it would fail")

@@ -137,6 +137,39 @@ def test_gemm_i8a8_rows_independent_of_batch_and_threads():
     assert torch.equal(cpu.gemm_i8a8(x[3:20].clone(), packed, scale, threads=2), full[3:20])
 
 
+@pytest.mark.skipif(not cpu.amx(), reason="library built without AMX-INT8, tile state refused, or KVWIRE_AMX=0")
+@pytest.mark.parametrize("n_in,n_out", [(576, 960), (1536, 576), (64, 16)])
+def test_gemm_i8a8_on_amx_tiles_gives_vnnis_bits(n_in, n_out):
+    """Tiles of 16 rows, a partial tile of 3-15 on AMX and a shorter tail on VNNI: every row the
+    same bits as the VNNI kernel alone computes, on 1 and 2 threads, with bias and residual."""
+    g = torch.Generator().manual_seed(n_in + n_out)
+    w = torch.randint(-128, 128, (n_out, n_in), generator=g, dtype=torch.int8)
+    packed, scale, bias = cpu.pack_i8a8(w), torch.rand(n_out, generator=g), torch.randn(n_out, generator=g)
+    lib = cpu.library()
+    try:
+        for rows in (2, 3, 5, 9, 12, 16, 17, 18, 19, 31, 32, 45):
+            x = torch.randn(rows, n_in, generator=g) * torch.rand(rows, 1, generator=g) * 5
+            x[0, :32] = 0  # a block of zeros: scale 0
+            res = torch.randn(rows, n_out, generator=g)
+            lib.kvw_set_amx(0)
+            vnni = cpu.gemm_i8a8(x, packed, scale, bias, res, threads=2)
+            assert lib.kvw_set_amx(1) == 1
+            for threads in (1, 2):
+                assert torch.equal(cpu.gemm_i8a8(x, packed, scale, bias, res, threads=threads), vnni), (rows, threads)
+    finally:
+        cpu.amx()  # back to what the environment says
+
+
+def test_amx_switch(monkeypatch):
+    monkeypatch.setenv("KVWIRE_AMX", "0")
+    assert not cpu.amx()
+    monkeypatch.setenv("KVWIRE_AMX", "auto")
+    flags = cpu._cpu_flags().split()
+    assert cpu.amx() == (cpu.available() and cpu.library().kvw_set_amx(1) == 1)
+    if not {"amx_tile", "amx_int8"}.issubset(flags):
+        assert not cpu.amx()
+
+
 @pytest.mark.skipif(not cpu.bf16_activations(), reason="library built without AVX512-BF16 (or KVWIRE_BF16_ACTIVATIONS=0)")
 @pytest.mark.parametrize("rows,n_in,n_out", [(1, 576, 960), (5, 1536, 576), (9, 96, 37), (16, 64, 13)])
 def test_linear_bf16a16_rounds_activations_to_bf16_and_rows_stay_independent(rows, n_in, n_out):
@@ -298,7 +331,8 @@ def _probe(env: dict) -> str:
     import subprocess
     import sys
     code = ("from kvwire_kernels import cpu; lib = cpu.library(); "
-            "print(lib._name if lib else 'None', cpu.unavailable_reason, lib and lib.kvw_has_vnni(), lib and lib.kvw_has_bf16())")
+            "print(lib._name if lib else 'None', cpu.unavailable_reason, lib and lib.kvw_has_vnni(), lib and lib.kvw_has_bf16(), "
+            "lib and lib.kvw_set_amx(1))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, **env}).stdout.strip()
 
@@ -311,8 +345,10 @@ def test_prebuilt_binaries_serve_where_there_is_no_compiler(tmp_path):
     flags = set(cpu._cpu_flags().split())
     best = next(level for level, need in cpu.LEVELS.items() if flags.issuperset(need))
     assert out.startswith(str(cpu.prebuilt_path(best, tmp_path))), out
-    # the binary has the int8 and bf16 dot-product paths exactly where the CPU does
-    assert out.endswith(f"{int('avx512_vnni' in flags)} {int('avx512_bf16' in flags)}"), out
+    # the binary has the int8, bf16 and AMX paths exactly where the CPU (and, for AMX, the kernel) does
+    amx = int({"amx_tile", "amx_int8"}.issubset(flags) and cpu.available() and cpu.library().kvw_set_amx(1) == 1)
+    cpu.amx()  # the switch back to what the environment says
+    assert out.endswith(f"{int('avx512_vnni' in flags)} {int('avx512_bf16' in flags)} {amx}"), out
 
 
 def test_no_compiler_and_no_prebuilt_falls_back_with_a_reason(tmp_path):
