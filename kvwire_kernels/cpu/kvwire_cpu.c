@@ -27,6 +27,16 @@
 #include <immintrin.h>
 #endif
 
+/* Software prefetch this many bytes ahead of a one-row (batch-1 decode) weight stream. On the Intel
+ * Xeon with AMX this was measured on (TinyLlama-1.1B layer shapes, weights from memory, 2 threads,
+ * builds alternating in one process), the hardware prefetchers alone streamed bf16 weights at 19.5
+ * GB/s and packed int8 at 25.1; 2048 bytes ahead gave 24.0 and 27.6. On the AMD EPYC of the earlier
+ * measurements one row streamed fastest on the hardware prefetcher alone, so only AMX builds (Intel
+ * Sapphire Rapids and later) do it. */
+#if defined(__AMX_TILE__) && !defined(KVW_ROW_PF)
+#define KVW_ROW_PF 2048
+#endif
+
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -256,7 +266,13 @@ ALWAYS_INLINE void bf16_tile(const uint16_t *xb, int64_t in, const uint16_t *w, 
     for (int o = 0; o < NO; o++)
         for (int r = 0; r < NR; r++) acc[o][r][0] = acc[o][r][1] = _mm512_setzero_ps();
     int64_t i = 0;
-    for (; i + 64 <= in; i += 64)
+    for (; i + 64 <= in; i += 64) {
+#ifdef KVW_ROW_PF
+        if (NO == 1 && NR == 1) {  /* one row's weight stream: fetch ahead (see KVW_ROW_PF) */
+            _mm_prefetch((const char *)(w + i) + KVW_ROW_PF, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + i) + KVW_ROW_PF + 64, _MM_HINT_T0);
+        }
+#endif
         for (int half = 0; half < 2; half++) {
             __m512bh wv[4];
             for (int o = 0; o < NO; o++) wv[o] = (__m512bh)_mm512_loadu_si512(w + (size_t)o * in + i + 32 * half);
@@ -265,6 +281,7 @@ ALWAYS_INLINE void bf16_tile(const uint16_t *xb, int64_t in, const uint16_t *w, 
                 for (int o = 0; o < NO; o++) acc[o][r][half] = _mm512_dpbf16_ps(acc[o][r][half], wv[o], xv);
             }
         }
+    }
     if (i < in) {  /* in % 64 == 32 */
         __m512bh wv[4];
         for (int o = 0; o < NO; o++) wv[o] = (__m512bh)_mm512_loadu_si512(w + (size_t)o * in + i);
@@ -494,6 +511,9 @@ ALWAYS_INLINE void gemm_tile(act8_t a, int64_t in, const uint8_t *wp, int64_t o0
     for (int64_t b = 0; b < in; b += 32) {
         for (int r = 0; r < NR; r++) sum[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
+#ifdef KVW_ROW_PF
+            if (NR == 1) _mm_prefetch((const char *)(wp + (b / 4 + j) * 64) + KVW_ROW_PF, _MM_HINT_T0);
+#endif
             const __m512i wv = _mm512_loadu_si512(wp + (b / 4 + j) * 64);
             for (int r = 0; r < NR; r++) {
                 int32_t q4; memcpy(&q4, a.q + (r0 + r) * in + b + 4 * j, 4);
