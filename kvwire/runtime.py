@@ -11,6 +11,7 @@ from pathlib import Path
 from kvwire.config import DType, KVDtype, ModelConfig, QuantMode
 from kvwire.fingerprint import Fingerprint, fingerprint
 from kvwire.kv.spec import KVPageSpec
+from kvwire.malloc import keep_freed_memory
 from kvwire.model.loader import load_model
 from kvwire.model.model import Transformer
 from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer
@@ -40,6 +41,7 @@ class Runtime:
 
 
 def load_engine(cfg: EngineConfig) -> Runtime:
+    keep_freed_memory()  # a prompt's temporaries stay in the heap between forwards (kvwire/malloc.py)
     weights = QuantMode(cfg.weights)
     dtype = DType.BF16 if weights == QuantMode.BF16 else DType.FP32
     # int8/fp8: each Linear is quantized as the loader reads its pieces (never a fp32 model first);

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import json
 import logging
@@ -308,7 +309,14 @@ class GrpcServer:
         return self.port
 
     async def set_serving(self) -> None:
-        """Call once the service has loaded and warmed up: health flips to SERVING."""
+        """Call once the service has loaded and warmed up: health flips to SERVING.
+
+        What startup built (torch, the model, the servicers) is moved out of reach of Python's
+        cyclic garbage collector first (``gc.freeze``): it lives as long as the process, and a full
+        collection walking it was about a tenth of prefill_svc's time over its first 1,024-token
+        prompts (perf, SmolLM2-135M-Instruct)."""
+        gc.collect()
+        gc.freeze()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
 
     async def set_not_serving(self) -> None:
