@@ -503,6 +503,19 @@ void kvw_linear_i8a8(const float *x, int64_t rows, int64_t in, const int8_t *w, 
  * are the same in every tile (NR) and thread split. Requires out % 16 == 0, in % 64 == 0. */
 #ifdef KVW_VNNI
 #define GEMM_NR 12
+/* A tile's NR rows x 16 outputs from their fp32 accumulators: (acc - k) * scale + bias (+ residual). */
+ALWAYS_INLINE void gemm_store(const __m512 *acc, act8_t a, int64_t o0, int64_t r0, int64_t out, float *y,
+                              const float *scale, const float *bias, const float *res, const int NR) {
+    const __m512 sc = scale ? _mm512_loadu_ps(scale + o0) : _mm512_set1_ps(1.0f);
+    const __m512 bi = bias ? _mm512_loadu_ps(bias + o0) : _mm512_setzero_ps();
+    for (int r = 0; r < NR; r++) {
+        __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(acc[r], _mm512_set1_ps(a.k[r0 + r])), sc, bi);
+        float *yp = y + (r0 + r) * out + o0;
+        if (res) v = _mm512_add_ps(_mm512_loadu_ps(res + (r0 + r) * out + o0), v);
+        _mm512_storeu_ps(yp, v);
+    }
+}
+
 ALWAYS_INLINE void gemm_tile(act8_t a, int64_t in, const uint8_t *wp, int64_t o0, int64_t r0, int64_t out,
                              float *y, const float *scale, const float *bias, const float *res, const int NR) {
     __m512 acc[GEMM_NR];
@@ -523,14 +536,7 @@ ALWAYS_INLINE void gemm_tile(act8_t a, int64_t in, const uint8_t *wp, int64_t o0
         for (int r = 0; r < NR; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(a.s[((r0 + r) * in + b) / 4]), acc[r]);
     }
-    const __m512 sc = scale ? _mm512_loadu_ps(scale + o0) : _mm512_set1_ps(1.0f);
-    const __m512 bi = bias ? _mm512_loadu_ps(bias + o0) : _mm512_setzero_ps();
-    for (int r = 0; r < NR; r++) {
-        __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(acc[r], _mm512_set1_ps(a.k[r0 + r])), sc, bi);
-        float *yp = y + (r0 + r) * out + o0;
-        if (res) v = _mm512_add_ps(_mm512_loadu_ps(res + (r0 + r) * out + o0), v);
-        _mm512_storeu_ps(yp, v);
-    }
+    gemm_store(acc, a, o0, r0, out, y, scale, bias, res, NR);
 }
 
 /* ---- the same GEMM on AMX tiles (Sapphire Rapids and later: AMX-INT8) ----------------------------
@@ -604,14 +610,7 @@ ALWAYS_INLINE void amx_tile(act8_t a, int64_t in, const uint8_t *panel, int64_t 
         _tile_stored(1, sums[1], 64);
         amx_scale_block(sums[1], a, in, r0, b + 32, acc, NR);
     }
-    const __m512 sc = scale ? _mm512_loadu_ps(scale + o0) : _mm512_set1_ps(1.0f);
-    const __m512 bi = bias ? _mm512_loadu_ps(bias + o0) : _mm512_setzero_ps();
-    for (int r = 0; r < NR; r++) {  /* as gemm_tile */
-        __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(acc[r], _mm512_set1_ps(a.k[r0 + r])), sc, bi);
-        float *yp = y + (r0 + r) * out + o0;
-        if (res) v = _mm512_add_ps(_mm512_loadu_ps(res + (r0 + r) * out + o0), v);
-        _mm512_storeu_ps(yp, v);
-    }
+    gemm_store(acc, a, o0, r0, out, y, scale, bias, res, NR);
 }
 
 /* Rows [0, end) of panels [g_begin, g_end) on AMX; returns end: the tiles of 16 rows, and the last
