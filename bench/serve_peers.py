@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import tempfile
@@ -62,7 +63,7 @@ def kvwire_server(args, model_name: str, port: int):
     from tools.stack import Stack
     door = ["--http-listen", f"127.0.0.1:{port}", "--model-name", model_name]
     with Stack(model_dir=Path(args.model), weights=args.weights, kv_dtype=args.kv_dtype, log_dir=args.log_dir,
-               decode_pages=args.decode_pages, extra={"tokenizer_svc": door}):
+               decode_pages=args.decode_pages, extra={"tokenizer_svc": door, "decode_svc": shlex.split(args.decode_args)}):
         wait_http(f"http://127.0.0.1:{port}/v1/models", 60)
         yield f"http://127.0.0.1:{port}"
 
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-vllm-preload", dest="vllm_preload", action="store_false",
                     help="do not LD_PRELOAD tcmalloc / libiomp5 into vllm serve")
     ap.add_argument("--vllm-serve-args", default="", help="more `vllm serve` flags, one string")
+    ap.add_argument("--decode-args", default="", help="more decode_svc flags, one string "
+                                                       "(e.g. '--local-prefill-max-tokens 256')")
     ap.add_argument("--vllm-start-timeout-s", type=float, default=900.0)
     ap.add_argument("--level-timeout-s", type=float, default=1800.0)
     ap.add_argument("--log-dir", type=Path, default=None, help="server and client logs (default: discarded)")
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         with server as base_url:
             results[name] = drive(args, name, base_url, model_name, hf)
     report = {"benchmark": "serve-vs-vllm", "model": model_name, "hf_dir": str(hf), "weights": args.weights,
+              "decode_args": args.decode_args,
               "kv_dtype": args.kv_dtype, "vllm": {"dtype": args.vllm_dtype, "kv_gib": args.vllm_kv_gib,
                                                    "threads_bind": args.vllm_threads_bind,
                                                    "ld_preload": preload(args.vllm_venv) if args.vllm_preload else "",
@@ -228,7 +232,8 @@ def markdown(report: dict) -> str:
     load = "; ".join(f"{n} {v['load_avg_1m'][0]:.2f} -> {v['load_avg_1m'][1]:.2f}" for n, v in servers.items())
     v = report["vllm"]
     preloaded = " + ".join(Path(p).name for p in v.get("ld_preload", "").split(":") if p)
-    head = (f"kvwire (weights {report['weights']}, KV {report['kv_dtype']}, OpenAI door of tokenizer_svc) against "
+    extra = f", decode_svc {report['decode_args']}" if report.get("decode_args") else ""
+    head = (f"kvwire (weights {report['weights']}, KV {report['kv_dtype']}{extra}, OpenAI door of tokenizer_svc) against "
             f"vLLM CPU {v['version']} (dtype {v['dtype']}, KV cache {v['kv_gib']:g} GiB, OpenMP threads on cores "
             f"{v.get('threads_bind', '?')}, LD_PRELOAD {preloaded or 'none'}), model {report['model']}, "
             f"the same weights ({Path(report['hf_dir']).name}); both driven by `vllm bench serve` over "

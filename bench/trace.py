@@ -106,7 +106,8 @@ async def _request(addr: str, text: str, max_tokens: int) -> list[int]:
     async with grpc.aio.insecure_channel(addr) as ch:
         ids: list[int] = []
         async for msg in pbg.TokenizerServiceStub(ch).GenerateText(pb.GenerateTextRequest(
-                text=text, sampling=pb.SamplingParams(max_tokens=max_tokens))):
+                text=text, sampling=pb.SamplingParams(max_tokens=max_tokens),
+                kv_source=pb.KV_SOURCE_REMOTE)):  # the page stream is what it draws, whatever the prompt's length
             ids += msg.token_ids
         return ids
 

@@ -62,6 +62,7 @@ async def serve(args: argparse.Namespace) -> None:
     watch = PrefillWatch(channel, remote, server if args.readiness_follows_prefill else None,
                          args.prefill_health_interval_s) if remote else None
     policy = KVSourcePolicy(local_max_tokens=args.local_prefill_max_tokens,
+                            local_max_decoding=args.local_prefill_max_decoding,
                             remote_max_inflight=args.remote_prefill_max_inflight)
     decode = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, policy), cores=cli.core_share(args, "decode", threads),
                          executor=compute)
@@ -129,10 +130,13 @@ def main() -> None:
     ap.add_argument("--prefill-addr", default="127.0.0.1:50053",
                     help="prefill_svc address: host:port, or dns:///name:port for several replicas; '' = none "
                          "(every prompt prefills in this process)")
-    ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=256,
                     help="prompts of at most this many tokens prefill here instead of on prefill_svc (unless "
-                         "the request sets kv_source); longer ones go remote while prefill_svc is reachable. "
-                         "0 = all go remote (the disaggregated default)")
+                         "the request sets kv_source), while fewer than --local-prefill-max-decoding requests "
+                         "decode here; longer ones go remote while prefill_svc is reachable. 0 = all go remote")
+    ap.add_argument("--local-prefill-max-decoding", type=int, default=8,
+                    help="short prompts go to prefill_svc too once this many requests are decoding here "
+                         "(a local prefill holds up their steps)")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                     help="keep full prompt pages and reuse them for prompts with the same prefix; only the "
                          "pages decode lacks are computed locally or asked from prefill_svc")

@@ -109,7 +109,8 @@ class AsyncEngine:
         try:
             self._work.set()
             await admitted.wait()
-            first = self.core.start(req, await self.sources.fill(req, self.run, deadline))
+            decoding = sum(r.status is RequestStatus.RUNNING for r in self.core.scheduler.running.values())
+            first = self.core.start(req, await self.sources.fill(req, self.run, deadline, decoding))
             self._work.set()  # its first decode step starts now, not once the reader took this token
             if not first.finished:
                 decode_span = tracer.start_span("decode", attributes={"kvwire.kv.source": req.kv_source_used})

@@ -14,9 +14,10 @@ request's pages are freed only after any import queued for it.
 
 Policy (``KVSources.choose``), per request: a request may force LOCAL or REMOTE (REMOTE without a
 prefill replica is UNAVAILABLE). Otherwise (AUTO) it prefills locally when its prompt has at most
-``local_max_tokens`` tokens (short prompts cost less to compute than to ship), when no prefill
-replica is configured or its channel is failing, or when ``remote_max_inflight`` remote pulls are
-already running (prefill overloaded); else remotely. An AUTO request whose remote pull fails with
+``local_max_tokens`` tokens while fewer than ``local_max_decoding`` requests are decoding here
+(a short prompt costs less to compute than to ship, unless the decode steps it would hold up are
+many), when no prefill replica is configured or its channel is failing, or when
+``remote_max_inflight`` remote pulls are already running (prefill overloaded); else remotely. An AUTO request whose remote pull fails with
 UNAVAILABLE is retried locally, so decode_svc serves everything when prefill_svc is down.
 """
 from __future__ import annotations
@@ -242,7 +243,8 @@ class RemotePrefill:
 
 @dataclass(frozen=True)
 class KVSourcePolicy:
-    local_max_tokens: int = 0  # AUTO prompts of at most this many tokens prefill locally (0: none)
+    local_max_tokens: int = 0  # AUTO prompts of at most this many tokens prefill locally (0: none) ..
+    local_max_decoding: int = 8  # .. while fewer than this many requests decode here
     remote_max_inflight: int = 8  # AUTO requests prefill locally while this many remote pulls run
 
 
@@ -259,7 +261,8 @@ class KVSources:
                  policy: KVSourcePolicy = KVSourcePolicy()):
         self.local, self.remote, self.policy = local, remote, policy
 
-    def choose(self, req: Request) -> KVSource:
+    def choose(self, req: Request, decoding: int = 0) -> KVSource:
+        """``decoding``: requests decoding in this engine now."""
         if req.kv_source is KVSourceChoice.LOCAL:
             return self.local
         if req.kv_source is KVSourceChoice.REMOTE:
@@ -267,15 +270,17 @@ class KVSources:
                 raise errors.Unavailable("kv_source=remote, but this decode service has no prefill replica "
                                          "(start it with --prefill-addr); use local or unset")
             return self.remote
-        if self.remote is None or len(req.prompt) <= self.policy.local_max_tokens or \
+        short = len(req.prompt) <= self.policy.local_max_tokens and decoding < self.policy.local_max_decoding
+        if self.remote is None or short or \
                 self.remote.inflight >= self.policy.remote_max_inflight or not self.remote.reachable():
             return self.local
         return self.remote
 
-    async def fill(self, req: Request, run: Run, deadline: float | None = None) -> int:
-        """Fill ``req``'s KV from the source the policy picks; an AUTO request falls back to local
-        prefill when the remote one is unavailable (its partial pages are freed first)."""
-        source = self.choose(req)
+    async def fill(self, req: Request, run: Run, deadline: float | None = None, decoding: int = 0) -> int:
+        """Fill ``req``'s KV from the source the policy picks (``decoding``: requests decoding here
+        now); an AUTO request falls back to local prefill when the remote one is unavailable (its
+        partial pages are freed first)."""
+        source = self.choose(req, decoding)
         try:
             first = await source.fill(req, run, deadline)
         except Exception as e:

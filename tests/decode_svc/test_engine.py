@@ -144,8 +144,8 @@ async def test_policy_sends_short_prompts_local_and_long_ones_remote(cfg):
         used = []
         original = h.engine.sources.fill
 
-        async def spy(req, run, deadline=None):
-            first = await original(req, run, deadline)
+        async def spy(req, run, deadline=None, decoding=0):
+            first = await original(req, run, deadline, decoding)
             used.append((len(req.prompt), req.kv_source_used))
             return first
         h.engine.sources.fill = spy
@@ -154,6 +154,32 @@ async def test_policy_sends_short_prompts_local_and_long_ones_remote(cfg):
         await h.generate(PROMPTS[2], max_tokens=4, kv_source=pb.KV_SOURCE_LOCAL)  # forced
         await h.generate(PROMPTS[0], max_tokens=4, kv_source=pb.KV_SOURCE_REMOTE)
     assert used == [(3, "local"), (17, "local"), (31, "remote"), (31, "local"), (3, "remote")]
+
+
+async def test_short_prompts_go_remote_while_enough_requests_decode(cfg):
+    """A short prompt prefills locally only while fewer than local_max_decoding requests decode here:
+    a local prefill holds up every decode step behind it."""
+    from kvwire.engine.kv_source import KVSourcePolicy
+    from kvwire.engine.request import RequestStatus
+    async with Harness(cfg, policy=KVSourcePolicy(local_max_tokens=20, local_max_decoding=1)) as h:
+        used = []
+        original = h.engine.sources.fill
+
+        async def spy(req, run, deadline=None, decoding=0):
+            first = await original(req, run, deadline, decoding)
+            used.append((len(req.prompt), decoding, req.kv_source_used))
+            return first
+        h.engine.sources.fill = spy
+        long = asyncio.create_task(h.generate(PROMPTS[0], max_tokens=120, ignore_eos=True))
+        for _ in range(500):  # until it decodes
+            if any(r.status is RequestStatus.RUNNING for r in h.engine.core.scheduler.running.values()):
+                break
+            await asyncio.sleep(0.01)
+        await h.generate(PROMPTS[1], max_tokens=4)  # 17 tokens, one request decoding: remote
+        assert len(await long) == 120
+        await h.generate(PROMPTS[1], max_tokens=4)  # none decoding: local
+        assert await h.pools_back_to(64, 128)
+    assert used == [(3, 0, "local"), (17, 1, "remote"), (17, 0, "local")]
 
 
 async def test_prefill_down_serves_locally_unless_remote_is_forced(cfg):

@@ -111,8 +111,9 @@ def test_greedy_through_three_services_equals_in_process(stack):
 
 def test_one_trace_across_three_services(stack, receiver):
     receiver.clear()
+    # A prompt this short would prefill inside decode_svc (--local-prefill-max-tokens): ask for prefill_svc.
     asyncio.run(stream_text(stack.addr("tokenizer_svc"), pb.GenerateTextRequest(
-        text="The for statement", sampling=pb.SamplingParams(max_tokens=8))))
+        text="The for statement", sampling=pb.SamplingParams(max_tokens=8), kv_source=pb.KV_SOURCE_REMOTE)))
     wanted = {"prefill.forward", "kv_transfer", "decode", "tokenize", "detokenize"}
 
     def complete(ss):  # every wanted span arrived, and every span's parent too (spans export as they end)
@@ -145,6 +146,16 @@ def test_one_trace_across_three_services(stack, receiver):
     assert decode.attributes["gen_ai.usage.output_tokens"] == 8
     assert front[0].attributes["gen_ai.usage.output_tokens"] == 8
     assert front[0].attributes["gen_ai.request.model"] == "kvwire-tiny"
+
+
+def test_a_short_prompt_prefills_inside_decode_by_default(stack, receiver):
+    receiver.clear()
+    asyncio.run(stream_text(stack.addr("tokenizer_svc"), pb.GenerateTextRequest(
+        text="The for statement", sampling=pb.SamplingParams(max_tokens=4))))
+    spans = receiver.wait_for(lambda ss: {"prefill.local", "decode", "detokenize"} <= {s.name for s in ss}, timeout=20)
+    decode = next(s for s in spans if s.name == "decode")
+    assert decode.attributes["kvwire.kv.source"] == "local"
+    assert not any(s.name in ("kv_transfer", "prefill.forward") for s in spans)
 
 
 def test_client_cancel_frees_decode_pages(stack):

@@ -64,8 +64,8 @@ def exported_names(families: dict[str, list]) -> set[str]:
 
 def test_one_request_is_one_trace_across_the_three_services(stack, receiver):
     receiver.clear()
-    ids = asyncio.run(generate(stack.addr("tokenizer_svc"), pb.GenerateTextRequest(
-        text=PROMPT, sampling=pb.SamplingParams(max_tokens=8))))
+    ids = asyncio.run(generate(stack.addr("tokenizer_svc"), pb.GenerateTextRequest(  # short: prefill_svc on request
+        text=PROMPT, sampling=pb.SamplingParams(max_tokens=8), kv_source=pb.KV_SOURCE_REMOTE)))
     assert len(ids) == 8
     wanted = {"tokenize", "detokenize", "kv_transfer", "prefill.forward", "decode"}
 
@@ -109,7 +109,8 @@ def test_one_request_is_one_trace_across_the_three_services(stack, receiver):
 
 def test_dashboard_and_alerts_name_only_metrics_the_services_export(stack):
     addr = stack.addr("tokenizer_svc")
-    ids = asyncio.run(generate(addr, pb.GenerateTextRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=6))))
+    ids = asyncio.run(generate(addr, pb.GenerateTextRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=6),
+                                                            kv_source=pb.KV_SOURCE_REMOTE)))  # a KV transfer, counted
     # a repetitive prompt, so that the n-gram lookup finds something to propose
     asyncio.run(generate(addr, pb.GenerateTextRequest(text=(PROMPT + " ") * 8, sampling=pb.SamplingParams(
         max_tokens=32, speculative=pb.SamplingParams.SPECULATIVE_MODE_NGRAM))))
