@@ -16,17 +16,22 @@ import torch
 ISA = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
 
 
+def _best_s(fn, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls, after one untimed call (pages touched)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
     """STREAM-style copy bandwidth (bytes read + bytes written per second), best of `repeats`."""
     a = torch.ones(mib << 18)  # mib MiB of float32
     b = torch.empty_like(a)
-    b.copy_(a)  # touch the pages
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t)
-    return 2 * a.numel() * 4 / best / 1e9
+    return 2 * a.numel() * 4 / _best_s(lambda: b.copy_(a), repeats) / 1e9
 
 
 def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
@@ -34,13 +39,7 @@ def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
     decode step does with its weights, so the roofline is put against this, not the copy figure
     (on some machines a copy runs at half the read rate: writes cost more than reads there)."""
     a = torch.ones(mib << 18)  # mib MiB of float32
-    a.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t)
-    return a.numel() * 4 / best / 1e9
+    return a.numel() * 4 / _best_s(a.sum, repeats) / 1e9
 
 
 def cpu_info() -> dict:
@@ -72,7 +71,8 @@ def roofline_gbs(f: dict) -> float:
 
 
 def describe(f: dict) -> str:
-    bw = f"{f['memory_bandwidth_gbs']} GB/s copy bandwidth" if f.get("memory_bandwidth_gbs") else "bandwidth not measured"
+    bw = f"{f['memory_bandwidth_gbs']} GB/s copy bandwidth" if f.get("memory_bandwidth_gbs") \
+        else "bandwidth not measured"
     if f.get("read_bandwidth_gbs"):
         bw += f", {f['read_bandwidth_gbs']} GB/s read bandwidth (both measured in this run; rooflines use the read one)"
     elif f.get("memory_bandwidth_gbs"):

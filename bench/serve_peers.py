@@ -62,8 +62,9 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
 def kvwire_server(args, model_name: str, port: int):
     from tools.stack import Stack
     door = ["--http-listen", f"127.0.0.1:{port}", "--model-name", model_name]
+    extra = {"tokenizer_svc": door, "decode_svc": shlex.split(args.decode_args)}
     with Stack(model_dir=Path(args.model), weights=args.weights, kv_dtype=args.kv_dtype, log_dir=args.log_dir,
-               decode_pages=args.decode_pages, extra={"tokenizer_svc": door, "decode_svc": shlex.split(args.decode_args)}):
+               decode_pages=args.decode_pages, extra=extra):
         wait_http(f"http://127.0.0.1:{port}/v1/models", 60)
         yield f"http://127.0.0.1:{port}"
 
@@ -233,8 +234,8 @@ def markdown(report: dict) -> str:
     v = report["vllm"]
     preloaded = " + ".join(Path(p).name for p in v.get("ld_preload", "").split(":") if p)
     extra = f", decode_svc {report['decode_args']}" if report.get("decode_args") else ""
-    head = (f"kvwire (weights {report['weights']}, KV {report['kv_dtype']}{extra}, OpenAI door of tokenizer_svc) against "
-            f"vLLM CPU {v['version']} (dtype {v['dtype']}, KV cache {v['kv_gib']:g} GiB, OpenMP threads on cores "
+    head = (f"kvwire (weights {report['weights']}, KV {report['kv_dtype']}{extra}, OpenAI door of tokenizer_svc) "
+            f"against vLLM CPU {v['version']} (dtype {v['dtype']}, KV cache {v['kv_gib']:g} GiB, OpenMP threads on cores "
             f"{v.get('threads_bind', '?')}, LD_PRELOAD {preloaded or 'none'}), model {report['model']}, "
             f"the same weights ({Path(report['hf_dir']).name}); both driven by `vllm bench serve` over "
             f"/v1/completions: {report['num_prompts']} random prompts of {report['input_len']} tokens per level, "

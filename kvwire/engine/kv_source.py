@@ -17,8 +17,9 @@ prefill replica is UNAVAILABLE). Otherwise (AUTO) it prefills locally when its p
 ``local_max_tokens`` tokens while fewer than ``local_max_decoding`` requests are decoding here
 (a short prompt costs less to compute than to ship, unless the decode steps it would hold up are
 many), when no prefill replica is configured or its channel is failing, or when
-``remote_max_inflight`` remote pulls are already running (prefill overloaded); else remotely. An AUTO request whose remote pull fails with
-UNAVAILABLE is retried locally, so decode_svc serves everything when prefill_svc is down.
+``remote_max_inflight`` remote pulls are already running (prefill overloaded); else remotely. An
+AUTO request whose remote pull fails with UNAVAILABLE is retried locally, so decode_svc serves
+everything when prefill_svc is down.
 """
 from __future__ import annotations
 
