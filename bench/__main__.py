@@ -8,7 +8,8 @@ tokenizer (Tokenize RPC and streaming detokenize), kv (KV bytes and overlap on t
 accuracy (quantization cost), disagg (served against in-process, batch 1), and speculative when
 bench/speculative.py is present, trace (one request's spans as a waterfall PNG), and prefix
 (prefix caching across the split: TTFT hit vs miss, KV bytes on the wire), serve-vs-vllm (our OpenAI
-door against vLLM's CPU build, both driven by `vllm bench serve`; vLLM in its own venv). ``all`` runs
+door against vLLM's CPU build, both driven by `vllm bench serve`; vLLM in its own venv), kernels (the
+Triton KV kernels against the PyTorch reference on a CUDA device). ``all`` runs
 tokenizer, kv, serve and engine with their defaults (plus whatever ``--<name>-args`` adds). Every
 run writes bench/out/<name>-<model>-<stamp>.json/.md (+ PNG plots); ``--write-docs`` also puts the
 markdown into docs/benchmarks.md's results section.
@@ -26,7 +27,8 @@ from bench import common
 
 BENCHMARKS = {"serve": "bench.serve", "engine": "bench.engine", "tokenizer": "bench.tokenizer", "kv": "bench.kv",
               "accuracy": "bench.accuracy", "disagg": "bench.disagg", "speculative": "bench.speculative",
-              "trace": "bench.trace", "prefix": "bench.prefix", "serve-vs-vllm": "bench.serve_peers"}
+              "trace": "bench.trace", "prefix": "bench.prefix", "serve-vs-vllm": "bench.serve_peers",
+              "kernels": "bench.kernels"}
 ALL = ("tokenizer", "kv", "serve", "engine")
 
 

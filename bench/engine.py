@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--batch-ctx", type=int, default=128, help="context of each sequence in batched decode")
     ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="torch device for kvwire and transformers: cpu, or cuda[:N] "
+                                                    "(llama.cpp peers stay on the CPU: they are not run then)")
     ap.add_argument("--in-process", action="store_true",
                     help="run every configuration in this process (quick; peak RSS is then not per engine)")
     ap.add_argument("--timeout-s", type=float, default=1800, help="per configuration")
@@ -66,8 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     from kvwire.model.registry import resolve_model_path
     model_dir = resolve_model_path(args.model_dir) if args.model_dir else shapes.build(args.model, args.models_dir)
-    facts = machine.facts()
-    base = {"model_dir": str(model_dir), "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
+    facts = machine.facts(device=args.device)
+    base = {"model_dir": str(model_dir), "device": args.device, "prompt_len": args.prompt_len,
+            "decode_tokens": args.decode_tokens,
             "batches": [int(b) for b in args.batches.split(",")], "batch_ctx": args.batch_ctx,
             "threads": args.threads or facts["torch_threads"], "isolated": not args.in_process}
     configs = [(f"kvwire {w}/{kv}", {"engine": "kvwire", "weights": w, "kv": kv})
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     llama_ok, llama_status = llamacpp.status()
     for peer in filter(None, args.peers.split(",")):
         engine, w = PEERS[peer]
-        if engine != "llama.cpp" or llama_ok:
+        if engine != "llama.cpp" or (llama_ok and args.device == "cpu"):
             configs.append((peer, {"engine": engine, "weights": w}))
     results = []
     for name, spec in tqdm(configs, desc="engine configurations", unit="run"):
@@ -108,22 +111,27 @@ def main(argv: list[str] | None = None) -> dict:
 def markdown(report: dict) -> str:
     f, rows = common.fmt, report["results"]
     bs = [str(b) for b in report["batches"]]
+    gpu = report.get("device", "cpu") != "cpu"
     lines = [f"Model {report['model']}, same weights and token ids for every engine; prompt {report['prompt_len']} "
              f"tokens, {report['decode_tokens']} greedy decode steps; batched decode: b sequences of "
-             f"{report['batch_ctx']} tokens stepped together; {report['threads']} threads. Each row is one process; peak RSS includes "
-             f"the {f(min((r.get('baseline_rss_mb') or 1e9) for r in rows), 0)} MB or so of imports. "
+             f"{report['batch_ctx']} tokens stepped together; {report['threads']} threads"
+             f"{'' if report.get('device', 'cpu') == 'cpu' else ', on ' + report['device']}. Each row is one process; "
+             f"peak RSS includes the {f(min((r.get('baseline_rss_mb') or 1e9) for r in rows), 0)} MB or so of imports"
+             f"{'' if report.get('device', 'cpu') == 'cpu' else ' (peak GPU memory: torch allocator peak)'}. "
              f"llama.cpp: {report['llama_cpp']}.", machine.describe(report["machine"]), ""]
     body = []
     for r in rows:
         if r.get("error"):
-            body.append([r["engine"], f"error: {r['error'][:80]}"] + ["-"] * (5 + len(bs)))
+            body.append([r["engine"], f"error: {r['error'][:80]}"] + ["-"] * (5 + gpu + len(bs)))
             continue
         bt = r.get("batched_tok_s", {})
         body.append([r["engine"], f(r["prefill_tok_s"]), f(r["decode_tok_s"], 2)] + [f(bt.get(b), 1) for b in bs]
-                    + [f(r["peak_rss_mb"], 0), f(r["weight_bytes_per_token"] / 1e6, 0), f"{r['roofline_pct']:.0f}%"])
+                    + [f(r["peak_rss_mb"], 0)] + ([f(r.get("peak_gpu_mb"), 0)] if gpu else [])
+                    + [f(r["weight_bytes_per_token"] / 1e6, 0), f"{r['roofline_pct']:.0f}%"])
     lines.append(common.table(["engine", "prefill tok/s", "decode tok/s (batch 1, after the prompt)"]
                               + [f"batch {b} tok/s (ctx {report['batch_ctx']})" for b in bs]
-                              + ["peak RSS MB", "weight MB/token", "% of roofline"], body))
+                              + ["peak RSS MB"] + (["peak GPU MB"] if gpu else [])
+                              + ["weight MB/token", "% of roofline"], body))
     lines += [f"\n{r['engine']}: {r['note']}." for r in rows if r.get("note")]
     ours = [r for r in rows if r["engine"].startswith("kvwire") and not r.get("error")]
     peers = [r for r in rows if not r["engine"].startswith("kvwire") and not r.get("error")]

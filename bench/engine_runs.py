@@ -10,6 +10,8 @@ Prints one line ``RESULT {json}``. Every engine is timed the same way on the sam
   - batched decode at each batch size b: b sequences of ``batch_ctx`` ids prefilled in one call,
     then ``decode_tokens`` steps that advance all b together (one model call per step), b x steps / s;
   - peak RSS (/proc VmHWM) and the RSS after imports, before the model was loaded.
+On a CUDA device (``"device": "cuda"``) every step ends by reading its tokens back (``tolist``),
+which waits for the GPU, so the times are whole steps; the peak GPU memory is torch's allocator peak.
 The decode phases run once after that warm-up (the caller repeats whole runs if it wants).
 """
 from __future__ import annotations
@@ -80,8 +82,9 @@ def time_phases(prefill, decode, prompt: list[int], ctx: list[list[int]], s: dic
 def run_kvwire(s: dict) -> dict:
     from kvwire.config import KVDtype, QuantMode
     from kvwire.runtime import EngineConfig, load_engine
+    dev = s.get("device", "cpu")
     eng = load_engine(EngineConfig(model_dir=Path(s["model_dir"]), weights=QuantMode(s["weights"]),
-                                   kv_dtype=KVDtype(s["kv"])))
+                                   kv_dtype=KVDtype(s["kv"]), device=dev))
     if not s.get("fused", True):
         eng.model.step_fn = None  # eager PyTorch ops, for comparison with the fused decode kernels
     prompt, ctx = prompts(s, eng.model_config.vocab_size)
@@ -95,13 +98,13 @@ def run_kvwire(s: dict) -> dict:
             cache.free_sequence(i)  # the previous phase's pages go back to the pool
         ids = state["ids"] = list(range(len(seqs)))
         ends = torch.tensor([len(x) for x in seqs]).cumsum(0) - 1
-        logits = eng.model(torch.tensor([t for x in seqs for t in x]), cache.prepare(ids, [len(x) for x in seqs]),
-                           cache, logits_rows=ends)  # [num_seqs, vocab]
+        logits = eng.model(torch.tensor([t for x in seqs for t in x], device=dev),
+                           cache.prepare(ids, [len(x) for x in seqs]), cache, logits_rows=ends.to(dev))  # [seqs, vocab]
         return logits.argmax(-1).tolist()
 
     def decode(tokens: list[int]) -> list[int]:
         cache, ids = state["cache"], state["ids"][:len(tokens)]
-        logits = eng.model(torch.tensor(tokens), cache.prepare(ids, [1] * len(ids)), cache)  # [n, vocab]
+        logits = eng.model(torch.tensor(tokens, device=dev), cache.prepare(ids, [1] * len(ids)), cache)  # [n, vocab]
         return logits.argmax(-1).tolist()
 
     res = time_phases(prefill, decode, prompt, ctx, s)
@@ -112,19 +115,20 @@ def run_transformers(s: dict) -> dict:
     import transformers
     dtype = torch.bfloat16 if s["weights"] == "bf16" else torch.float32
     from bench.hf_weights import hf_dir
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir(s["model_dir"]), dtype=dtype).eval()
+    dev = s.get("device", "cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir(s["model_dir"]), dtype=dtype).eval().to(dev)
     prompt, ctx = prompts(s, hf.config.vocab_size)
     state = {}
 
     @torch.inference_mode()
     def prefill(seqs: list[list[int]]) -> list[int]:
-        out = hf(input_ids=torch.tensor(seqs), use_cache=True, logits_to_keep=1)  # equal lengths: no padding
+        out = hf(input_ids=torch.tensor(seqs, device=dev), use_cache=True, logits_to_keep=1)  # equal lengths: no padding
         state["past"] = out.past_key_values
         return out.logits[:, -1].argmax(-1).tolist()
 
     @torch.inference_mode()
     def decode(tokens: list[int]) -> list[int]:
-        out = hf(input_ids=torch.tensor(tokens)[:, None], past_key_values=state["past"], use_cache=True)
+        out = hf(input_ids=torch.tensor(tokens, device=dev)[:, None], past_key_values=state["past"], use_cache=True)
         state["past"] = out.past_key_values
         return out.logits[:, -1].argmax(-1).tolist()
 
@@ -144,7 +148,8 @@ def run_spec(s: dict) -> dict:
     else:
         from bench.llamacpp import run_llamacpp
         res = run_llamacpp(s)
-    return {**res, "baseline_rss_mb": base, "peak_rss_mb": rss_mb(), "threads": torch.get_num_threads()}
+    gpu = {"peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20} if s.get("device", "cpu") != "cpu" else {}
+    return {**res, **gpu, "baseline_rss_mb": base, "peak_rss_mb": rss_mb(), "threads": torch.get_num_threads()}
 
 
 def main() -> None:

@@ -42,6 +42,23 @@ def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
     return a.numel() * 4 / _best_s(a.sum, repeats) / 1e9
 
 
+def gpu_read_bandwidth_gbs(device: str, mib: int = 4096, repeats: int = 10) -> float:
+    """The same read figure on a CUDA device (a buffer far larger than its L2), synchronised."""
+    a = torch.ones(mib << 18, device=device)
+
+    def read():
+        a.sum()
+        torch.cuda.synchronize(device)
+    return a.numel() * 4 / _best_s(read, repeats) / 1e9
+
+
+def gpu_info(device: str) -> dict:
+    """Name, memory and measured read bandwidth of the CUDA device the benchmark runs on."""
+    p = torch.cuda.get_device_properties(device)
+    return {"gpu": p.name, "gpu_memory_gib": round(p.total_memory / 2**30, 1), "gpu_sms": p.multi_processor_count,
+            "cuda": torch.version.cuda, "gpu_read_bandwidth_gbs": round(gpu_read_bandwidth_gbs(device), 1)}
+
+
 def cpu_info() -> dict:
     model, flags = platform.processor() or platform.machine(), set()
     try:
@@ -56,8 +73,9 @@ def cpu_info() -> dict:
     return {"cpu": model, "isa": [f for f in ISA if f in flags], "memory_gib": round(mem / 2**30, 1)}
 
 
-def facts(bandwidth: bool = True) -> dict:
-    return {**cpu_info(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+def facts(bandwidth: bool = True, device: str = "cpu") -> dict:
+    gpu = gpu_info(device) if device.startswith("cuda") else {}
+    return {**gpu, **cpu_info(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2) if bandwidth else None,
@@ -66,8 +84,8 @@ def facts(bandwidth: bool = True) -> dict:
 
 def roofline_gbs(f: dict) -> float:
     """The bandwidth a decode step's roofline is put against: the read figure (reports written
-    before it was measured: the copy figure)."""
-    return f.get("read_bandwidth_gbs") or f["memory_bandwidth_gbs"]
+    before it was measured: the copy figure); the GPU's when the benchmark ran on one."""
+    return f.get("gpu_read_bandwidth_gbs") or f.get("read_bandwidth_gbs") or f["memory_bandwidth_gbs"]
 
 
 def describe(f: dict) -> str:
@@ -77,6 +95,9 @@ def describe(f: dict) -> str:
         bw += f", {f['read_bandwidth_gbs']} GB/s read bandwidth (both measured in this run; rooflines use the read one)"
     elif f.get("memory_bandwidth_gbs"):
         bw += " (measured in this run)"
-    return (f"Machine: {f['cpu']}, {f['cores']} cores ({f['torch_threads']} torch threads), "
+    gpu = (f"GPU: {f['gpu']} ({f['gpu_memory_gib']} GiB, {f['gpu_sms']} SMs, CUDA {f['cuda']}), "
+           f"{f['gpu_read_bandwidth_gbs']} GB/s read bandwidth measured in this run (rooflines use it). "
+           if f.get("gpu") else "")
+    return gpu + (f"Machine: {f['cpu']}, {f['cores']} cores ({f['torch_threads']} torch threads), "
             f"{f['memory_gib']} GiB, ISA {' '.join(f['isa']) or '-'}; {bw}; torch {f['torch']}; "
             f"1-minute load average {f.get('load_avg_1m', '-')} at the start (other work on the shared CPU).")

@@ -195,7 +195,9 @@ def _decode_attn_kernel(q, k_pages, v_pages, k_scale, v_scale, tables, ctx_lens,
     for b in range(lo // BLOCK, (ctx + BLOCK - 1) // BLOCK):
         page = tl.load(tables + s.to(tl.int64) * max_blocks + b)
         pos = b * BLOCK + rows
-        valid = (rows < BLOCK) & (pos <= p) & (pos >= lo)  # [BLOCK_B]
+        # A released page (-1) is never read, whatever the window says: an out-of-bounds load
+        # would be an illegal address on a GPU (seen when a table had lost a page a query still sees).
+        valid = (rows < BLOCK) & (pos <= p) & (pos >= lo) & ((rows * 0 + page) >= 0)  # [BLOCK_B]
         kvmask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = _load_page_f32(k_pages, k_scale, page, h, rows, d, kvmask, num_kv_heads, BLOCK, HEAD_DIM, IS_FP8)
         v = _load_page_f32(v_pages, v_scale, page, h, rows, d, kvmask, num_kv_heads, BLOCK, HEAD_DIM, IS_FP8)

@@ -4,31 +4,85 @@ Triton has no CPU backend; TRITON_INTERPRET=1 runs the kernels on CPU tensors. t
 the variable when it decorates a kernel, and ``kvwire_kernels.triton_kv`` may already have been imported
 in this process without it, so this module loads its own interpreted copy of the kernel file
 (the kernels avoid triton's own jit helpers such as tl.sum for the same reason: see there).
+Where a CUDA device is present, the Triton tests also run compiled on it (the ``backend``
+fixture: a second copy of the kernel file, decorated before the variable is set), against the
+reference on CPU; elsewhere those cases skip.
 
 Tolerances: the kernels round with explicit bit arithmetic (see kvwire_kernels/triton_kv.py), so writes
 and dequantization must match the reference byte for byte; attention only differs in float32
-summation order (online softmax), hence rtol = atol = 1e-5.
+summation order (online softmax) and, compiled, in the GPU's exp, hence rtol = atol = 1e-5.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any kernel below is decorated
+import pytest
+import torch
 
-import importlib.util  # noqa: E402
-from pathlib import Path  # noqa: E402
+import kvwire_kernels
+from kvwire.kv.dense import attention_mask, sdpa_gqa
+from kvwire_kernels import reference as ref
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+CUDA = torch.cuda.is_available()
 
-import kvwire_kernels  # noqa: E402
-from kvwire.kv.dense import attention_mask, sdpa_gqa  # noqa: E402
-from kvwire_kernels import reference as ref  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("_triton_kv_interpreted",
-                                               Path(kvwire_kernels.__file__).parent / "triton_kv.py")
-tkv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tkv)
+def load_kernels(name: str):
+    """A fresh copy of kvwire_kernels/triton_kv.py: its kernels are decorated as TRITON_INTERPRET says now."""
+    spec = importlib.util.spec_from_file_location(name, Path(kvwire_kernels.__file__).parent / "triton_kv.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+if CUDA:  # compiled, so first: triton's own modules must not be imported under the variable for that
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton  # noqa: F401
+    tkv_cuda = load_kernels("_triton_kv_compiled")
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+tkv = load_kernels("_triton_kv_interpreted")
+# Unset again, and set only while an interpreted test runs (the fixtures below; triton reads it
+# at launch too): pytest imports every test module before it runs any test, and a variable left
+# set would make the engine's own lazy import of the kernels interpreted as well (on a GPU,
+# tests/engine/test_cuda.py would then run interpreted kernels on CUDA tensors).
+if _before is None:
+    del os.environ["TRITON_INTERPRET"]
+
+
+_ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))
+
+
+def kernels(name: str):
+    """(kernel module, device) for the reference, the interpreted Triton kernels on CPU tensors,
+    or the compiled ones on CUDA."""
+    return {"reference": (ref, "cpu"), "interpreted": (tkv, "cpu"), "cuda": (globals().get("tkv_cuda"), "cuda")}[name]
+
+
+@pytest.fixture(params=["interpreted", _ON_CUDA])
+def backend(request, monkeypatch):
+    """A Triton backend: (kernel module, device)."""
+    if request.param == "interpreted":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return kernels(request.param)
+
+
+@pytest.fixture(params=["reference", "interpreted", _ON_CUDA])
+def impl(request, monkeypatch):
+    """The reference or a Triton backend: (kernel module, device)."""
+    if request.param == "interpreted":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return kernels(request.param)
+
+
+def on(state, dev):
+    return [None if t is None else t.to(dev) for t in state]
+
+
+def back(state):
+    return [None if t is None else t.cpu() for t in state]
+
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 HKV, D = 2, 32
@@ -120,18 +174,17 @@ def test_fp8_to_float_is_torch_cast_for_every_byte():
     assert ref.fp8_to_float(codes).isfinite().all()
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_pages_are_append_only(impl):
     """Writing token t+1 leaves every byte written before identical, scales included, even when
     the new token is 1000x larger (format 1 grew the page's scale and requantized the page)."""
-    write = (ref if impl == "reference" else tkv).write_kv
-    state = empty_pages(2, 16, FP8)
+    mod, dev = impl
+    state = on(empty_pages(2, 16, FP8), dev)
     g = torch.Generator().manual_seed(3)
     for t in range(16):
-        before = raw(state)
-        x = torch.randn(1, HKV, D, generator=g) * 10.0 ** (t % 4 - 1)
-        write(*state, x, x * 3, torch.tensor([16 + t]))  # page 1, offset t
-        for b, a in zip(before, raw(state)):
+        before = raw(back(state))
+        x = (torch.randn(1, HKV, D, generator=g) * 10.0 ** (t % 4 - 1)).to(dev)
+        mod.write_kv(*state, x, x * 3, torch.tensor([16 + t], device=dev))  # page 1, offset t
+        for b, a in zip(before, raw(back(state))):
             changed = (b != a).any(-1) if b.dim() == 4 else b != a  # [pages, HKV, block]
             assert not changed[0].any() and not changed[1, :, :t].any() and not changed[1, :, t + 1:].any()
 
@@ -234,10 +287,11 @@ def test_reference_attention_matches_per_sequence_sdpa(dtype, window):
 
 @pytest.mark.parametrize("dtype", [FP8, BF16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("block", [16, 32])
-def test_triton_write_and_dequantize_match_reference_bytes(block, dtype):
+def test_triton_write_and_dequantize_match_reference_bytes(block, dtype, backend):
+    tk, dev = backend
     g = torch.Generator().manual_seed(1)
     ours = empty_pages(8, block, dtype, garbage=True, seed=2)  # stale bytes: a write must not read them
-    theirs = clone(ours)
+    theirs = on(ours, dev)
     tables = [[5, 1, 6], [2, 7]]
     steps = [[(tables[0], 0, block + 3), (tables[1], 0, 5)],  # prefill, two sequences, one call
              [(tables[0], block + 3, 1), (tables[1], 5, 1)],  # decode into partly filled pages
@@ -252,42 +306,115 @@ def test_triton_write_and_dequantize_match_reference_bytes(block, dtype):
             x[3, :, 0] = 448.0 * 1.0000001
             x[4] = torch.tensor([1.0 + 2 ** -4, 1.0 + 3 * 2 ** -4, 2 ** -7 + 2 ** -10, 3.0]).repeat(D // 4)
         ref.write_kv(*ours, x, -x * 0.5, slots)
-        tkv.write_kv(*theirs, x, -x * 0.5, slots)
-        for a, b in zip(raw(ours), raw(theirs)):
+        tk.write_kv(*theirs, x.to(dev), (-x * 0.5).to(dev), slots.to(dev))
+        for a, b in zip(raw(ours), raw(back(theirs))):
             assert torch.equal(a, b), f"step {i}"
     ids = torch.tensor([5, 1, 6, 2, 7])  # page 6: written, plus stale bytes past the written slots
     for pages, scales in ((ours[0], ours[2]), (ours[1], ours[3])):
-        torch.testing.assert_close(tkv.dequantize_pages(pages, scales, ids),
-                                   ref.dequantize_pages(pages, scales, ids), rtol=0, atol=0, equal_nan=True)
+        got = tk.dequantize_pages(*on([pages, scales], dev), ids.to(dev)).cpu()
+        torch.testing.assert_close(got, ref.dequantize_pages(pages, scales, ids), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [FP8, BF16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 @pytest.mark.parametrize("block", [16, 32])
-def test_triton_decode_attention_matches_reference(block, ratio, window, dtype):
+def test_triton_decode_attention_matches_reference(block, ratio, window, dtype, backend):
+    tk, dev = backend
     state, bt = build_cache(block, dtype, CTX, window)
     q = torch.randn(len(CTX), ratio * HKV, D)
     ctx = torch.tensor(CTX, dtype=torch.int32)
     expect = ref.paged_decode_attention(q, *state, bt, ctx, window, D ** -0.5)
-    got = tkv.paged_decode_attention(q, *state, bt, ctx, window, D ** -0.5)
+    got = tk.paged_decode_attention(*on([q, *state, bt, ctx], dev), window, D ** -0.5).cpu()
     assert got.isfinite().all()  # released (NaN) pages were never read
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
 def test_one_row_per_query_is_bitwise_the_one_token_call(impl, window):
     """How a speculative verification attends in one call: each of a sequence's k+1 queries is
     a row with the sequence's block table and its own context length. Every row must give
     exactly (bit for bit) what a one-token decode at that position gives, tables cut to the
     pages it has then."""
-    attn = (ref if impl == "reference" else tkv).paged_decode_attention
+    mod, dev = impl
     state, bt = build_cache(16, FP8, [70], window)
+    state, bt = on(state, dev), bt.to(dev)
     n = 6  # positions 64..69 (the last page, partly filled, and the one before)
-    q = torch.randn(n, 4 * HKV, D)
-    ctx = torch.arange(65, 71, dtype=torch.int32)
-    together = attn(q, *state, bt.repeat(n, 1), ctx, window, D ** -0.5)
+    q = torch.randn(n, 4 * HKV, D, device=dev)
+    ctx = torch.arange(65, 71, dtype=torch.int32, device=dev)
+    together = mod.paged_decode_attention(q, *state, bt.repeat(n, 1), ctx, window, D ** -0.5)
     for i in range(n):
-        alone = attn(q[i:i + 1], *state, bt[:, :-(-int(ctx[i]) // 16)], ctx[i:i + 1], window, D ** -0.5)
+        alone = mod.paged_decode_attention(q[i:i + 1], *state, bt[:, :-(-int(ctx[i]) // 16)], ctx[i:i + 1],
+                                           window, D ** -0.5)
         assert torch.equal(together[i:i + 1], alone), i
+
+
+def e4m3_boundaries() -> torch.Tensor:
+    """Every finite e4m3 magnitude up to 448, each midpoint between neighbours (a tie) and the
+    floats just either side of both, with both signs."""
+    vals = torch.arange(128, dtype=torch.uint8).view(FP8).float()
+    vals = vals[vals.isfinite()].unique()  # sorted: 0 .. 448
+    mids = (vals[1:] + vals[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(0.0)
+    pts = torch.cat([vals, mids] + [torch.nextafter(t, d) for t in (vals, mids) for d in (up, down)])
+    pts = pts[pts <= 448.0]
+    return torch.cat([pts, -pts])
+
+
+@pytest.mark.parametrize("dtype", [FP8, BF16], ids=["fp8", "bf16"])
+def test_every_rounding_boundary_gives_the_references_bytes(dtype, backend):
+    """Each token's first value is 448, so its fp8 scale is exactly 1 and every other value is
+    rounded as it is: ties, the floats beside them, subnormals, the largest value."""
+    tk, dev = backend
+    pts = e4m3_boundaries()
+    n = -(-len(pts) // (D - 1))
+    x = torch.zeros(n * (D - 1))
+    x[:len(pts)] = pts
+    x = torch.cat([torch.full((n, 1), 448.0), x.view(n, D - 1)], dim=1)[:, None, :].repeat(1, HKV, 1)  # [n, HKV, D]
+    pages = -(-n // 16)
+    ours = empty_pages(pages, 16, dtype, garbage=True, seed=5)
+    theirs = on(ours, dev)
+    slots = torch.arange(n)
+    ref.write_kv(*ours, x, x * 2 ** -7, slots)
+    tk.write_kv(*theirs, x.to(dev), (x * 2 ** -7).to(dev), slots.to(dev))
+    for a, b in zip(raw(ours), raw(back(theirs))):
+        assert torch.equal(a, b)
+    if dtype == FP8:  # and the reference is torch's own cast (round to nearest even, saturating)
+        stored = ours[0].transpose(1, 2).reshape(-1, HKV, D)[:n]  # [n, HKV, D] in slot order
+        assert torch.equal(stored.view(torch.uint8), x.to(FP8).view(torch.uint8))
+
+
+def random_pages(num_pages, hkv, block, d, dtype, g):
+    """Pages of random contents without NaN patterns (the kernels' reading, not writing, is tested)."""
+    shape = (num_pages, hkv, block, d)
+    if dtype == BF16:
+        return [torch.randn(shape, generator=g).to(BF16), torch.randn(shape, generator=g).to(BF16), None, None]
+    bytes_ = [torch.randint(0, 254, shape, dtype=torch.uint8, generator=g) for _ in range(2)]
+    bytes_ = [torch.where((b & 0x7F) == 0x7F, b - 1, b) for b in bytes_]  # 0x7f / 0xff are NaN
+    scales = [torch.rand(shape[:3], generator=g).mul(3).sub(9).exp2().to(BF16) for _ in range(2)]  # 2**-9 .. 2**-6: |values| < 7, as amax / 448 gives
+    return [bytes_[0].view(FP8), bytes_[1].view(FP8), *scales]
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [FP8, BF16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("window", [None, 300], ids=["full", "window300"])
+@pytest.mark.parametrize("hkv,ratio,d", [(3, 3, 64), (4, 8, 64), (8, 4, 128)], ids=["smollm2", "tinyllama", "llama3-8b"])
+def test_compiled_decode_attention_at_model_shapes(hkv, ratio, d, window, dtype):
+    """Real head layouts and contexts up to 2,000 positions (many pages per program), compiled,
+    against the reference on the same GPU."""
+    g = torch.Generator().manual_seed(hkv * d)
+    ctx = torch.randint(1, 2000, (24,), generator=g, dtype=torch.int32)
+    ctx[:3] = torch.tensor([1, 16, 2000], dtype=torch.int32)
+    blocks = (ctx + 15) // 16
+    state = on(random_pages(int(blocks.sum()) + 8, hkv, 16, d, dtype, g), "cuda")
+    perm = torch.randperm(int(blocks.sum()) + 8, generator=g)
+    bt = torch.full((len(ctx), int(blocks.max())), -1, dtype=torch.int32)
+    i = 0
+    for s, nb in enumerate(blocks.tolist()):
+        bt[s, :nb] = perm[i:i + nb].to(torch.int32)
+        i += nb
+    q = torch.randn(len(ctx), hkv * ratio, d, generator=g).cuda()
+    args = (q, *state, bt.cuda(), ctx.cuda(), window, d ** -0.5)
+    got, expect = tkv_cuda.paged_decode_attention(*args), ref.paged_decode_attention(*args)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, expect, rtol=2e-5, atol=2e-5)
