@@ -61,7 +61,8 @@ async def serve(args: argparse.Namespace) -> None:
                            transfer_timeout_s=args.kv_transfer_timeout_s) if channel else None
     watch = PrefillWatch(channel, remote, server if args.readiness_follows_prefill else None,
                          args.prefill_health_interval_s) if remote else None
-    policy = KVSourcePolicy(local_max_tokens=args.local_prefill_max_tokens,
+    policy = KVSourcePolicy(local_when_idle=args.local_prefill_when_idle,
+                            local_max_tokens=args.local_prefill_max_tokens,
                             local_max_decoding=args.local_prefill_max_decoding,
                             remote_max_inflight=args.remote_prefill_max_inflight)
     decode = AsyncEngine(core, KVSources(LocalPrefill(runner), remote, policy), cores=cli.core_share(args, "decode", threads),
@@ -134,6 +135,10 @@ def main() -> None:
                     help="prompts of at most this many tokens prefill here instead of on prefill_svc (unless "
                          "the request sets kv_source), while fewer than --local-prefill-max-decoding requests "
                          "decode here; longer ones go remote while prefill_svc is reachable. 0 = all go remote")
+    ap.add_argument("--local-prefill-when-idle", action=argparse.BooleanOptionalAction, default=True,
+                    help="a prompt of any length prefills here while nothing else runs here (no request "
+                         "decoding, no prefill of this service's in flight): no steps to hold up, no pages to "
+                         "ship. Turn off when prefill_svc runs on much faster hardware than decode")
     ap.add_argument("--local-prefill-max-decoding", type=int, default=8,
                     help="short prompts go to prefill_svc too once this many requests are decoding here "
                          "(a local prefill holds up their steps)")

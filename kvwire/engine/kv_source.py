@@ -13,7 +13,9 @@ step index 0, so the tokens are the same either way); the engine does not know w
 request's pages are freed only after any import queued for it.
 
 Policy (``KVSources.choose``), per request: a request may force LOCAL or REMOTE (REMOTE without a
-prefill replica is UNAVAILABLE). Otherwise (AUTO) it prefills locally when its prompt has at most
+prefill replica is UNAVAILABLE). Otherwise (AUTO) it prefills locally when this engine is idle
+(``local_when_idle``: nothing decoding, and no prefill of this engine's running, here or remote:
+there are no steps to hold up, and the pages need not travel), when its prompt has at most
 ``local_max_tokens`` tokens while fewer than ``local_max_decoding`` requests are decoding here
 (a short prompt costs less to compute than to ship, unless the decode steps it would hold up are
 many), when no prefill replica is configured or its channel is failing, or when
@@ -56,15 +58,20 @@ class LocalPrefill:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.inflight = 0
 
     def _prefill(self, req: Request) -> int:
         req.cached_tokens = self.runner.reuse_prefix(req.seq, req.prompt)
         return sample(self.runner.prefill(req.seq, req.prompt), req.params, 0)
 
     async def fill(self, req: Request, run: Run, deadline: float | None = None) -> int:
-        with tracer.start_as_current_span("prefill.local") as span:
-            span.set_attribute("gen_ai.usage.input_tokens", len(req.prompt))
-            return await run(self._prefill, req)
+        self.inflight += 1
+        try:
+            with tracer.start_as_current_span("prefill.local") as span:
+                span.set_attribute("gen_ai.usage.input_tokens", len(req.prompt))
+                return await run(self._prefill, req)
+        finally:
+            self.inflight -= 1
 
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
@@ -244,6 +251,7 @@ class RemotePrefill:
 
 @dataclass(frozen=True)
 class KVSourcePolicy:
+    local_when_idle: bool = False  # AUTO prompts of any length prefill locally while the engine is idle
     local_max_tokens: int = 0  # AUTO prompts of at most this many tokens prefill locally (0: none) ..
     local_max_decoding: int = 8  # .. while fewer than this many requests decode here
     remote_max_inflight: int = 8  # AUTO requests prefill locally while this many remote pulls run
@@ -272,7 +280,9 @@ class KVSources:
                                          "(start it with --prefill-addr); use local or unset")
             return self.remote
         short = len(req.prompt) <= self.policy.local_max_tokens and decoding < self.policy.local_max_decoding
-        if self.remote is None or short or \
+        idle = self.policy.local_when_idle and decoding == 0 and self.local.inflight == 0 and \
+            (self.remote is None or self.remote.inflight == 0)
+        if self.remote is None or short or idle or \
                 self.remote.inflight >= self.policy.remote_max_inflight or not self.remote.reachable():
             return self.local
         return self.remote

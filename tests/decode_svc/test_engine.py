@@ -182,6 +182,35 @@ async def test_short_prompts_go_remote_while_enough_requests_decode(cfg):
     assert used == [(3, 0, "local"), (17, 1, "remote"), (17, 0, "local")]
 
 
+async def test_a_long_prompt_prefills_locally_while_the_engine_is_idle(cfg):
+    """local_when_idle: with nothing decoding and no prefill in flight, a prompt of any length
+    prefills here; while one request decodes, or while another prefill runs, it goes remote."""
+    from kvwire.engine.kv_source import KVSourcePolicy
+    from kvwire.engine.request import RequestStatus
+    async with Harness(cfg, policy=KVSourcePolicy(local_when_idle=True, local_max_tokens=0)) as h:
+        used = []
+        original = h.engine.sources.fill
+
+        async def spy(req, run, deadline=None, decoding=0):
+            first = await original(req, run, deadline, decoding)
+            used.append((len(req.prompt), decoding, req.kv_source_used))
+            return first
+        h.engine.sources.fill = spy
+        await h.generate(PROMPTS[2], max_tokens=4)  # idle: local
+        long = asyncio.create_task(h.generate(PROMPTS[2], max_tokens=120, ignore_eos=True))
+        for _ in range(500):  # until it decodes
+            if any(r.status is RequestStatus.RUNNING for r in h.engine.core.scheduler.running.values()):
+                break
+            await asyncio.sleep(0.01)
+        await h.generate(PROMPTS[1], max_tokens=4)  # one request decoding: remote
+        assert len(await long) == 120
+        # two at once: the first prefills here, the second (a prefill in flight) on prefill_svc
+        await asyncio.gather(h.generate(PROMPTS[2], max_tokens=4), h.generate(PROMPTS[1], max_tokens=4))
+        assert await h.pools_back_to(64, 128)
+    assert used[:3] == [(31, 0, "local"), (31, 0, "local"), (17, 1, "remote")]
+    assert sorted(used[3:]) == [(17, 0, "remote"), (31, 0, "local")]
+
+
 async def test_prefill_down_serves_locally_unless_remote_is_forced(cfg):
     ref_engine = load_engine(cfg)
     expected = generate(ref_engine.model, PROMPTS[2], SamplingParams(max_tokens=10), cache=ref_engine.new_cache(64))

@@ -25,7 +25,10 @@ def stack(otlp_env, tmp_path_factory):
     env = otlp_env
     http_port = free_port()
     s = Stack(decode_pages=256, prefill_pages=256, env=env, log_dir=tmp_path_factory.mktemp("logs"),
-              extra={"tokenizer_svc": ["--http-listen", f"127.0.0.1:{http_port}"]})
+              extra={"tokenizer_svc": ["--http-listen", f"127.0.0.1:{http_port}"],
+                     # the trace test needs prefill_svc to compute a long prompt, which an idle decode_svc
+                     # would prefill itself
+                     "decode_svc": ["--no-local-prefill-when-idle"]})
     with s:
         s.http_base = f"http://127.0.0.1:{http_port}/v1"
         yield s
@@ -150,7 +153,8 @@ def test_client_disconnect_returns_decode_pages_to_baseline(stack, stream):
 
 def test_one_trace_from_http_to_prefill(stack, client, receiver):
     receiver.clear()
-    # Long enough (> decode_svc's --local-prefill-max-tokens, 256) that prefill_svc computes the KV.
+    # Long enough (> decode_svc's --local-prefill-max-tokens, 256) that prefill_svc computes the KV
+    # (the stack runs decode_svc with --no-local-prefill-when-idle).
     long_question = "The for statement iterates over the items of a sequence. " * 40
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_question}], max_tokens=6)
 
