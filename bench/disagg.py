@@ -4,8 +4,11 @@
     python -m bench disagg --model smollm2-135m-instruct --weights int8 --speculative ngram
 
 For each KV dtype (fp8_e4m3, bf16) the three services start as real processes on loopback with the
-model (the embedded one by default; any model directory, GGUF or registered name); each prompt length is sent through the front door (tokenizer_svc) `repeats` times,
-one request at a time, timing every streamed message at the client. The same prompts then run
+model (the embedded one by default; any model directory, GGUF or registered name); each prompt length
+is sent `repeats` times, one request at a time, timing every streamed message at the client: to
+decode_svc's GenerateTokens with the prompt prefilled on prefill_svc (``served``: the page stream),
+inside decode_svc (``served_local_prefill``) and where decode_svc's policy puts it
+(``served_default``: kv_source unset), and as text through the front door (tokenizer_svc). The same prompts then run
 in-process through the public engine API (``kvwire.LLM.stream``: same model, weights, KV settings
 and paged cache, no server) in this process: once with this process's threads (all usable cores)
 and once with decode_svc's share of the cores (tools/stack.py splits them between prefill_svc and
@@ -180,12 +183,14 @@ def main(argv: list[str] | None = None) -> dict:
                 same = in_process_with_threads(llm, ids, args.gen, args.repeats, svc_threads)
                 here = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen, pb.KV_SOURCE_LOCAL))
                         for _ in range(args.repeats)]
+                auto = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen, pb.KV_SOURCE_UNSPECIFIED))
+                        for _ in range(args.repeats)]
                 fd = statistics.median(asyncio.run(front_door(stack.addr("tokenizer_svc"), tok.decode(ids), args.gen))
                                        for _ in range(args.repeats))
                 nbytes = asyncio.run(kv_bytes(stack.addr("prefill_svc"), ids))
                 row = {"kv": kv, "prompt_tokens": len(ids), "served": summarize(srv), "in_process": summarize(loc),
                        "in_process_service_threads": summarize(same), "service_threads": svc_threads,
-                       "served_local_prefill": summarize(here),
+                       "served_local_prefill": summarize(here), "served_default": summarize(auto),
                        "front_door_ttft_ms": 1000 * fd, "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / len(ids)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -209,17 +214,20 @@ def markdown(report: dict) -> str:
     lines = [f"Model {report['model']} ({report.get('weights', 'none')} weights, speculative "
              f"{report.get('speculative', 'none')}), batch 1, {report['gen']} generated tokens, median of "
              f"{report['repeats']} runs.",
-             "", "| KV | prompt | TTFT served (ms) | TTFT served, local prefill (ms) | TTFT in-process (ms) | ratio "
+             "", "| KV | prompt | TTFT served (ms) | TTFT served, local prefill (ms) | TTFT served, decode's choice (ms) "
+             "| TTFT in-process (ms) | ratio | ratio, decode's choice "
              "| TTFT in-process, service threads (ms) | ratio | TTFT via front door (ms) | ITL served (ms) "
              "| ITL in-process (ms) | ratio | ITL in-process, service threads (ms) | served - in-process (ms) "
              "| KV bytes/prompt token |",
-             "|---" * 15 + "|"]
+             "|---" * 17 + "|"]
     for r in report["rows"]:
         s, p = r["served"], r["in_process"]
         t = r.get("in_process_service_threads", p)
+        auto = r.get("served_default", {}).get("ttft_ms", float("nan"))  # reports before it was measured
         lines.append(f"| {r['kv']} | {r['prompt_tokens']} | {s['ttft_ms']:.1f} | "
-                     f"{r['served_local_prefill']['ttft_ms']:.1f} | {p['ttft_ms']:.1f} | "
-                     f"{s['ttft_ms'] / p['ttft_ms']:.2f}x | {t['ttft_ms']:.1f} | {s['ttft_ms'] / t['ttft_ms']:.2f}x | "
+                     f"{r['served_local_prefill']['ttft_ms']:.1f} | {auto:.1f} | {p['ttft_ms']:.1f} | "
+                     f"{s['ttft_ms'] / p['ttft_ms']:.2f}x | {auto / p['ttft_ms']:.2f}x | "
+                     f"{t['ttft_ms']:.1f} | {s['ttft_ms'] / t['ttft_ms']:.2f}x | "
                      f"{r['front_door_ttft_ms']:.1f} | {s['itl_ms']:.2f} | {p['itl_ms']:.2f} | "
                      f"{s['itl_ms'] / p['itl_ms']:.2f}x | {t['itl_ms']:.2f} | {s['itl_ms'] - p['itl_ms']:+.2f} | "
                      f"{r['kv_bytes_per_token']:.0f} |")

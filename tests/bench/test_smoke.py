@@ -85,6 +85,7 @@ def test_disagg(tmp_path):
     report, _ = outputs(tmp_path, "disagg")
     (row,) = report["rows"]
     assert row["prompt_tokens"] == 16 and row["served"]["ttft_ms"] > 0 and row["kv_bytes"] > 0
+    assert row["served_default"]["ttft_ms"] > 0 and row["served_local_prefill"]["ttft_ms"] > 0
     (c,) = report["concurrent"]
     assert c["requests"] == 3 and c["served_tok_s"] > 0 and c["in_process_tok_s"] > 0
     assert "3 different 16-token prompts at once" in (next(tmp_path.glob("disagg-*.md"))).read_text()
