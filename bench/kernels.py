@@ -1,20 +1,23 @@
-"""KV page kernels on a CUDA device: the compiled Triton kernels against the PyTorch reference on
-the same GPU, same pages, in one run.
+"""KV page kernels against the PyTorch reference on the same device and pages, in one run: the
+compiled Triton kernels on a CUDA device, the C kernels (kvwire_kernels/cpu) on the CPU.
 
-    python -m bench kernels [--device cuda] [--batches 1,16,64] [--contexts 512,2048,8192]
+    python -m bench kernels [--device cuda|cpu] [--batches 1,16,64] [--contexts 512,2048,8192]
 
 For each model's head layout (SmolLM2-135M, TinyLlama-1.1B, Llama-3-8B) and KV dtype:
   - decode attention: b sequences of c positions each, one query per sequence (all heads), time
     per call and the KV bytes it must read (values and, for FP8, scales) per second, against the
     read bandwidth measured in this run;
   - writes: one decode step's b tokens, and a prefill of b x 512 tokens, per layer.
-Timed with CUDA events (the median of 20 calls after 5 untimed ones). Triton has no CPU backend,
-so this benchmark needs a GPU; on CPU the attention runs in kvwire_kernels/cpu (bench engine).
+Timed with CUDA events on a GPU, perf_counter on the CPU (the median of 20 calls after 5 untimed
+ones). Triton has no CPU backend: there the C kernels the engine uses on CPUs are timed instead,
+on torch's thread count, against the read bandwidth measured on the CPU.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+import types
 
 import torch
 from tqdm import tqdm
@@ -32,6 +35,11 @@ def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
         fn()
     times = []
     for _ in range(iters):
+        if not torch.cuda.is_available():
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -41,13 +49,34 @@ def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def kernels(device: str):
+    """The module-like object with the reference's two signatures for ``device``."""
+    if device.startswith("cuda"):
+        from kvwire_kernels import triton_kv
+        return triton_kv
+    from kvwire_kernels import cpu
+    if not cpu.available():
+        raise SystemExit(f"the CPU kernels are not available here: {cpu.unavailable_reason}")
+    return types.SimpleNamespace(paged_decode_attention=cpu.paged_attention,
+                                 write_kv=lambda *a: cpu.write_kv(*a[:4], a[4].float(), a[5].float(), a[6].long()))
+
+
 def pages(n: int, hkv: int, d: int, dtype: torch.dtype, dev: str):
+    """n pages written as the engine writes them (the reference's write_kv) from Gaussian K and V.
+    Not random bytes: one byte in 16 would be an e4m3 subnormal, which the CPU kernel widens through
+    an fp32 subnormal (a microcode assist, about 5x slower attention); a real model's pages hold
+    about one in 8,000 (SmolLM2-135M, 1,024-token prompt), Gaussian values one in 17,000."""
     shape = (n, hkv, BLOCK, d)
+    state = [torch.zeros(shape, device=dev, dtype=dtype), torch.zeros(shape, device=dev, dtype=dtype)]
     if dtype == torch.bfloat16:
-        return [torch.randn(shape, device=dev, dtype=dtype), torch.randn(shape, device=dev, dtype=dtype), None, None]
-    vals = [torch.randint(0, 0x7E, shape, dtype=torch.uint8, device=dev).view(dtype) for _ in range(2)]
-    scales = [torch.rand(shape[:3], device=dev).add(0.5).to(torch.bfloat16) for _ in range(2)]
-    return [*vals, *scales]
+        state += [None, None]
+    else:
+        state += [torch.zeros(shape[:3], device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    for first in range(0, n, 4096):  # a few thousand pages at a time: bounded float32 temporaries
+        m = min(4096, n - first)
+        kv = torch.randn(2, m * BLOCK, hkv, d, device=dev)
+        ref.write_kv(*state, kv[0], kv[1], torch.arange(first * BLOCK, (first + m) * BLOCK, device=dev))
+    return state
 
 
 def attention_case(tk, layout: str, kv: str, b: int, c: int, dev: str) -> dict:
@@ -61,7 +90,7 @@ def attention_case(tk, layout: str, kv: str, b: int, c: int, dev: str) -> dict:
     args = (q, *state, tables, ctx, None, d ** -0.5)
     kv_bytes = b * c * hkv * (2 * d * dtype.itemsize + (4 if kv == "fp8_e4m3" else 0))
     res = {"layout": layout, "kv": kv, "batch": b, "context": c, "kv_mb": kv_bytes / 1e6}
-    for name, fn in (("triton", tk.paged_decode_attention), ("reference", ref.paged_decode_attention)):
+    for name, fn in (("kernel", tk.paged_decode_attention), ("reference", ref.paged_decode_attention)):
         try:
             ms = time_ms(lambda fn=fn: fn(*args))
             res |= {f"{name}_ms": ms, f"{name}_gbs": kv_bytes / ms / 1e6}
@@ -79,7 +108,7 @@ def write_case(tk, layout: str, kv: str, tokens: int, dev: str) -> dict:
     k, v = torch.randn(tokens, hkv, d, device=dev), torch.randn(tokens, hkv, d, device=dev)
     slots = torch.randperm(n * BLOCK, device=dev)[:tokens]
     res = {"layout": layout, "kv": kv, "tokens": tokens}
-    for name, fn in (("triton", tk.write_kv), ("reference", ref.write_kv)):
+    for name, fn in (("kernel", tk.write_kv), ("reference", ref.write_kv)):
         res[f"{name}_ms"] = time_ms(lambda fn=fn: fn(*state, k, v, slots))
     return res
 
@@ -87,16 +116,19 @@ def write_case(tk, layout: str, kv: str, tokens: int, dev: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default=None, help="default 1,16,64 on a GPU, 1,16 on the CPU")
+    ap.add_argument("--contexts", default=None, help="default 512,2048,8192 on a GPU, 512,2048 on the CPU")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--kv", default="fp8_e4m3,bf16")
     ap.add_argument("--out", type=__import__("pathlib").Path, default=common.OUT)
     args = ap.parse_args(argv)
-    if not args.device.startswith("cuda") or not torch.cuda.is_available():
-        raise SystemExit("bench kernels times the Triton kernels, which need a CUDA device (none here)")
-    from kvwire_kernels import triton_kv as tk
+    gpu = args.device.startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but torch sees no CUDA device here")
+    args.batches = args.batches or ("1,16,64" if gpu else "1,16")
+    args.contexts = args.contexts or ("512,2048,8192" if gpu else "512,2048")
+    tk = kernels(args.device)
 
     torch.manual_seed(0)
     facts = machine.facts(device=args.device)
@@ -106,26 +138,30 @@ def main(argv: list[str] | None = None) -> dict:
     attn = [attention_case(tk, *g, args.device) for g in tqdm(grid, desc="attention cases")]
     writes = [write_case(tk, lay, kv, t, args.device) for lay in layouts for kv in kvs
               for t in (max(int(b) for b in args.batches.split(",")), 8 * 512)]
-    report = {"benchmark": "kernels", "model": "kv-layouts", "machine": facts, "attention": attn, "writes": writes}
+    report = {"benchmark": "kernels", "model": "kv-layouts", "device": args.device,
+              "kernel": "Triton (compiled)" if gpu else "kvwire_kernels/cpu (C)", "machine": facts,
+              "attention": attn, "writes": writes}
     common.save(report, markdown(report), args.out)
     print(markdown(report))
     return report
 
 
 def markdown(report: dict) -> str:
-    f, bw = common.fmt, report["machine"]["gpu_read_bandwidth_gbs"]
-    rows = [[r["layout"], r["kv"], r["batch"], r["context"], f(r["kv_mb"], 1), f(r.get("triton_ms"), 3),
-             f(r.get("triton_gbs"), 0), f"{100 * r['triton_gbs'] / bw:.0f}%" if r.get("triton_gbs") else "-",
-             f(r.get("reference_ms"), 3), common.ratio(r.get("reference_ms"), r.get("triton_ms"))]
+    f, m = common.fmt, report["machine"]
+    bw = machine.roofline_gbs(m)
+    rows = [[r["layout"], r["kv"], r["batch"], r["context"], f(r["kv_mb"], 1), f(r.get("kernel_ms"), 3),
+             f(r.get("kernel_gbs"), 0), f"{100 * r['kernel_gbs'] / bw:.0f}%" if r.get("kernel_gbs") else "-",
+             f(r.get("reference_ms"), 3), common.ratio(r.get("reference_ms"), r.get("kernel_ms"))]
             for r in report["attention"]]
-    lines = [machine.describe(report["machine"]), "",
+    lines = [f"Kernels: {report.get('kernel', 'Triton (compiled)')} on {report.get('device', 'cuda')}.",
+             machine.describe(m), "",
              "Decode attention, one query per sequence (all heads), pages of 16 tokens in random order:", "",
-             common.table(["layout", "KV", "batch", "context", "KV MB read", "Triton ms", "Triton GB/s",
-                           "% of read bandwidth", "reference ms", "Triton speedup"], rows), "",
+             common.table(["layout", "KV", "batch", "context", "KV MB read", "kernel ms", "kernel GB/s",
+                           "% of read bandwidth", "reference ms", "kernel speedup"], rows), "",
              "KV writes (quantize + scatter into pages, one layer's K and V):", "",
-             common.table(["layout", "KV", "tokens", "Triton ms", "reference ms", "Triton speedup"],
-                          [[w["layout"], w["kv"], w["tokens"], f(w["triton_ms"], 3), f(w["reference_ms"], 3),
-                            common.ratio(w["reference_ms"], w["triton_ms"])] for w in report["writes"]])]
+             common.table(["layout", "KV", "tokens", "kernel ms", "reference ms", "kernel speedup"],
+                          [[w["layout"], w["kv"], w["tokens"], f(w["kernel_ms"], 3), f(w["reference_ms"], 3),
+                            common.ratio(w["reference_ms"], w["kernel_ms"])] for w in report["writes"]])]
     return "\n".join(lines) + "\n"
 
 
