@@ -24,7 +24,7 @@ def stack(tiny_dir):
 def outputs(out, name):
     files = {p.suffix: p for p in out.glob(f"{name}-*")}
     report = json.loads(files[".json"].read_text())
-    assert report["benchmark"] == name and files[".md"].read_text().startswith(("Front", "Model", "KV", "Token"))
+    assert report["benchmark"] == name and files[".md"].read_text().startswith(("Front", "Model", "KV", "Token", "Kernels"))
     return report, sorted(p.name for p in out.glob("*.png"))
 
 
@@ -89,3 +89,13 @@ def test_disagg(tmp_path):
     (c,) = report["concurrent"]
     assert c["requests"] == 3 and c["served_tok_s"] > 0 and c["in_process_tok_s"] > 0
     assert "3 different 16-token prompts at once" in (next(tmp_path.glob("disagg-*.md"))).read_text()
+
+
+def test_kernels_on_the_cpu(tmp_path):
+    """bench kernels without a GPU: the C kernels against the reference, one small case per dtype."""
+    cli.main(["kernels", "--device", "cpu", "--batches", "2", "--contexts", "40", "--layouts", "smollm2-135m",
+              "--out", str(tmp_path)])
+    report, _ = outputs(tmp_path, "kernels")
+    assert report["kernel"] == "kvwire_kernels/cpu (C)" and len(report["attention"]) == 2
+    assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["attention"] + report["writes"])
+    assert "kernel speedup" in next(tmp_path.glob("kernels-*.md")).read_text()
