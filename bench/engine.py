@@ -115,9 +115,9 @@ def markdown(report: dict) -> str:
     lines = [f"Model {report['model']}, same weights and token ids for every engine; prompt {report['prompt_len']} "
              f"tokens, {report['decode_tokens']} greedy decode steps; batched decode: b sequences of "
              f"{report['batch_ctx']} tokens stepped together; {report['threads']} threads"
-             f"{'' if report.get('device', 'cpu') == 'cpu' else ', on ' + report['device']}. Each row is one process; "
+             f"{', on ' + report['device'] if gpu else ''}. Each row is one process; "
              f"peak RSS includes the {f(min((r.get('baseline_rss_mb') or 1e9) for r in rows), 0)} MB or so of imports"
-             f"{'' if report.get('device', 'cpu') == 'cpu' else ' (peak GPU memory: torch allocator peak)'}. "
+             f"{' (peak GPU memory: torch allocator peak)' if gpu else ''}. "
              f"llama.cpp: {report['llama_cpp']}.", machine.describe(report["machine"]), ""]
     body = []
     for r in rows:

@@ -18,6 +18,7 @@ import argparse
 import statistics
 import time
 import types
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--contexts", default=None, help="default 512,2048,8192 on a GPU, 512,2048 on the CPU")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--kv", default="fp8_e4m3,bf16")
-    ap.add_argument("--out", type=__import__("pathlib").Path, default=common.OUT)
+    ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
     gpu = args.device.startswith("cuda")
     if gpu and not torch.cuda.is_available():

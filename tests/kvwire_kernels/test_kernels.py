@@ -116,10 +116,6 @@ def empty_pages(num_pages, block, dtype, garbage=False, seed=0):
     return [k, v, torch.zeros(sshape, dtype=BF16), torch.zeros(sshape, dtype=BF16)]
 
 
-def clone(state):
-    return [None if t is None else t.clone() for t in state]
-
-
 def raw(state) -> list[torch.Tensor]:
     """Bits of pages [P, HKV, B, D(*2)] and scales [P, HKV, B] (int16: one element per slot)."""
     return [t.view(torch.uint8 if t.dim() == 4 else torch.int16).clone() for t in state if t is not None]
