@@ -156,25 +156,34 @@ async def test_policy_sends_short_prompts_local_and_long_ones_remote(cfg):
     assert used == [(3, "local"), (17, "local"), (31, "remote"), (31, "local"), (3, "remote")]
 
 
+def record_sources(h) -> list:
+    """(prompt length, requests decoding, KV source used) of every fill, appended as it ends."""
+    used, original = [], h.engine.sources.fill
+
+    async def spy(req, run, deadline=None, decoding=0):
+        first = await original(req, run, deadline, decoding)
+        used.append((len(req.prompt), decoding, req.kv_source_used))
+        return first
+    h.engine.sources.fill = spy
+    return used
+
+
+async def until_decoding(h) -> None:
+    from kvwire.engine.request import RequestStatus
+    for _ in range(500):
+        if any(r.status is RequestStatus.RUNNING for r in h.engine.core.scheduler.running.values()):
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_short_prompts_go_remote_while_enough_requests_decode(cfg):
     """A short prompt prefills locally only while fewer than local_max_decoding requests decode here:
     a local prefill holds up every decode step behind it."""
     from kvwire.engine.kv_source import KVSourcePolicy
-    from kvwire.engine.request import RequestStatus
     async with Harness(cfg, policy=KVSourcePolicy(local_max_tokens=20, local_max_decoding=1)) as h:
-        used = []
-        original = h.engine.sources.fill
-
-        async def spy(req, run, deadline=None, decoding=0):
-            first = await original(req, run, deadline, decoding)
-            used.append((len(req.prompt), decoding, req.kv_source_used))
-            return first
-        h.engine.sources.fill = spy
+        used = record_sources(h)
         long = asyncio.create_task(h.generate(PROMPTS[0], max_tokens=120, ignore_eos=True))
-        for _ in range(500):  # until it decodes
-            if any(r.status is RequestStatus.RUNNING for r in h.engine.core.scheduler.running.values()):
-                break
-            await asyncio.sleep(0.01)
+        await until_decoding(h)
         await h.generate(PROMPTS[1], max_tokens=4)  # 17 tokens, one request decoding: remote
         assert len(await long) == 120
         await h.generate(PROMPTS[1], max_tokens=4)  # none decoding: local
@@ -186,22 +195,11 @@ async def test_a_long_prompt_prefills_locally_while_the_engine_is_idle(cfg):
     """local_when_idle: with nothing decoding and no prefill in flight, a prompt of any length
     prefills here; while one request decodes, or while another prefill runs, it goes remote."""
     from kvwire.engine.kv_source import KVSourcePolicy
-    from kvwire.engine.request import RequestStatus
     async with Harness(cfg, policy=KVSourcePolicy(local_when_idle=True, local_max_tokens=0)) as h:
-        used = []
-        original = h.engine.sources.fill
-
-        async def spy(req, run, deadline=None, decoding=0):
-            first = await original(req, run, deadline, decoding)
-            used.append((len(req.prompt), decoding, req.kv_source_used))
-            return first
-        h.engine.sources.fill = spy
+        used = record_sources(h)
         await h.generate(PROMPTS[2], max_tokens=4)  # idle: local
         long = asyncio.create_task(h.generate(PROMPTS[2], max_tokens=120, ignore_eos=True))
-        for _ in range(500):  # until it decodes
-            if any(r.status is RequestStatus.RUNNING for r in h.engine.core.scheduler.running.values()):
-                break
-            await asyncio.sleep(0.01)
+        await until_decoding(h)
         await h.generate(PROMPTS[1], max_tokens=4)  # one request decoding: remote
         assert len(await long) == 120
         # two at once: the first prefills here, the second (a prefill in flight) on prefill_svc
