@@ -38,6 +38,7 @@ from kvwire import LLM, SamplingParams
 from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.engine.speculative import SpecConfig
+from kvwire.model.draft_head import is_draft_head, shipped_head
 
 
 class Timer:
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
     draft = args.draft_model_dir
     if draft is None and args.model is None and (model.parent / f"{model.name}-draft").is_dir():
         draft = model.parent / f"{model.name}-draft"
+    if draft is None and args.model is not None:
+        draft = shipped_head(args.model)  # the draft head trained for it (models/), if any
     modes = [m for m in args.modes.split(",") if m and (m != "draft" or draft is not None)]
     k_of = {"none": 0, "ngram": args.ngram_k, "draft": args.k}
 
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.peers == "transformers":
         try:
             eos = sorted(llm.core.eos_ids)
-            peer = transformers_peer(model, draft if "draft" in modes else None,
+            # transformers' assisted generation takes a draft model, not a head on the target's states
+            peer = transformers_peer(model, draft if "draft" in modes and not is_draft_head(draft) else None,
                                      {t: ps for t, ps in prompts.items()},
                                      args.ngram_k, args.max_tokens, eos)
         except Exception as e:  # a peer failure must not lose our own numbers

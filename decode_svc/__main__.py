@@ -17,6 +17,7 @@ from kvwire.serving import GrpcServer, build_channel
 from kvwire.telemetry import setup_tracing, start_metrics_server
 from kvwire.files import LoadError
 from kvwire.model import gguf
+from kvwire.model.draft_head import is_draft_head, load_for_target, shipped_head
 from kvwire.model.source import eos_token_ids, load_config
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.core import EngineCore
@@ -94,6 +95,8 @@ def draft_path(args: argparse.Namespace) -> Path | None:
     if args.speculative != "draft":
         return None
     sibling = Path(args.model_dir).parent / f"{Path(args.model_dir).name}-draft"
+    if not sibling.is_dir() and shipped_head(args.model_dir) is not None:
+        return shipped_head(args.model_dir)  # a registered model's draft head, from models/
     if not sibling.is_dir():
         raise LoadError(f"--speculative draft needs a draft model: pass --draft-model-dir (there is no "
                         f"{sibling} beside {args.model_dir})")
@@ -101,12 +104,18 @@ def draft_path(args: argparse.Namespace) -> Path | None:
 
 
 def load_draft(args: argparse.Namespace, target_cfg, target):
-    """The draft model when one is asked for, else None (speculative=draft requests are then refused).
-    A draft that does not share the target's vocabulary is a LoadError naming both."""
+    """The draft model (or draft head) when one is asked for, else None (speculative=draft requests
+    are then refused). A draft that does not share the target's vocabulary, or a head distilled
+    from other weights, is a LoadError naming both."""
     path = draft_path(args)
     if path is None:
         log.info("no draft model: speculative=draft requests will be refused")
         return None
+    if is_draft_head(path):
+        head = load_for_target(path, target, QuantMode(args.draft_weights))
+        log.info("draft head %s loaded (weights %s; %d-token head vocabulary)", path, args.draft_weights,
+                 head.cfg.head_vocab)
+        return head
     draft_config = load_config(path)
     if draft_config.vocab_size != target.model_config.vocab_size:
         raise LoadError(f"draft model {path} has vocab size {draft_config.vocab_size}, the target "
@@ -173,7 +182,8 @@ def main() -> None:
     sp.add_argument("--speculative-greedy-max-batch", type=int, default=SpecConfig.greedy_max_batch, metavar="N",
                     help="greedy requests do not speculate in decode steps of more than N requests (0: no limit)")
     sp.add_argument("--draft-model-dir", default=None,
-                    help="draft model (same tokenizer as --model-dir); loaded only when given, or with "
+                    help="draft model (same tokenizer as --model-dir) or draft head (a directory with "
+                         "draft_head.json, distilled from --model-dir); loaded only when given, or with "
                          "--speculative draft from <model-dir>-draft beside the model; '' = none")
     sp.add_argument("--draft-weights", choices=[m.value for m in QuantMode], default=QuantMode.NONE.value,
                     help="draft weight mode")

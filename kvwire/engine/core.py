@@ -47,9 +47,12 @@ class EngineCore:
         k = 0 if mode is SpeculativeMode.NONE else params.num_speculative_tokens or self.spec_cfg.num_tokens
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         # an adaptive draft starts small (adapt_k grows it); n-gram sizes each proposal itself (lookup_length)
-        first_k = min(k, self.spec_cfg.first_k) if self.spec_cfg.adaptive and mode is SpeculativeMode.DRAFT else k
+        # a draft head's confidence sizes each proposal itself (speculative.head_proposal)
+        by_confidence = mode is SpeculativeMode.DRAFT and self.runner.head is not None
+        first_k = min(k, self.spec_cfg.first_k) if self.spec_cfg.adaptive and mode is SpeculativeMode.DRAFT \
+            and not by_confidence else k
         req = Request(request_id, next(self._seq_ids), list(prompt), params, stops, mode, k_max=k,
-                      kv_source=KVSourceChoice(kv_source), k=first_k)
+                      kv_source=KVSourceChoice(kv_source), k=first_k, by_confidence=by_confidence)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req

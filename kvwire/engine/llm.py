@@ -24,6 +24,7 @@ from kvwire.engine.request import Completion, RequestOutput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
 from kvwire.engine.speculative import SpecConfig
+from kvwire.model.draft_head import is_draft_head, load_for_target
 from kvwire.runtime import EngineConfig, load_engine
 from kvwire.sampling_params import SamplingParams, SpeculativeMode
 
@@ -59,7 +60,9 @@ class LLM:
                            block_size=block_size, num_pages=num_pages, device=device)
         self.runtime = load_engine(cfg)
         draft = None
-        if draft_model is not None:
+        if draft_model is not None and is_draft_head(draft_model):
+            draft = load_for_target(draft_model, self.runtime, QuantMode(draft_weights or weights))
+        elif draft_model is not None:
             # quantized as the target unless told otherwise (decode_svc: --draft-weights)
             draft = load_engine(EngineConfig(model_dir=Path(draft_model), weights=QuantMode(draft_weights or weights),
                                              kv_dtype=KVDtype(draft_kv_dtype), block_size=block_size,

@@ -56,12 +56,19 @@ def lookup_length(n: int, extra: Sequence[float], miss: float) -> int:
     k = len(extra) - 1
     if n <= 0 or k <= 0:
         return 0
-    s = 1.0 - miss / n
+    return best_length([1.0 - miss / n] * k, extra)[0]
+
+
+def best_length(accept: Sequence[float], extra: Sequence[float]) -> tuple[int, float]:
+    """The i in 0..len(accept) that makes the most tokens per unit of time, and that rate:
+    (1 + p_1 + p_1 p_2 + .. + p_1 .. p_i) / (1 + ``extra[i]``), with ``accept[j - 1]`` = p_j the
+    chance proposal j is accepted once those before it were, ``extra[i]`` what i proposals add to a
+    plain step (``extra[0]`` = 0; i is cut at len(extra) - 1)."""
     best, best_rate, expected, p = 0, 1.0, 1.0, 1.0
-    for i in range(1, k + 1):
-        p *= s
+    for i, a in enumerate(accept[:len(extra) - 1], 1):
+        p *= a
         expected += p  # tokens a step emits, on average, with i proposals
         rate = expected / (1.0 + extra[i])
         if rate > best_rate:
             best, best_rate = i, rate
-    return best
+    return best, best_rate

@@ -35,6 +35,7 @@ class Request:
     generated: int = 0
     steps: int = 0  # decode steps taken
     k: int = 0  # proposals next step (adapted to acceptance)
+    by_confidence: bool = False  # a draft head's request: its confidence sizes each proposal, k stays k_max
     spec_steps: int = 0  # steps that verified at least one proposal
     drafted: int = 0
     accepted: int = 0

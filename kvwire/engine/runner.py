@@ -1,6 +1,8 @@
 """ModelRunner: the tensor side of the engine (no asyncio, no gRPC).
 
-Owns the paged KV cache (and, for speculative decoding, a draft model with its own paged cache).
+Owns the paged KV cache and, for speculative decoding, a draft: a draft model with its own paged
+cache, or a draft head (``kvwire.model.draft_head``) that reads the target's hidden states and
+keeps no cache, only each sequence's latest feature.
 A sequence's prompt KV gets into its pages one of two ways: computed here (``prefill``, the local
 KV source) or imported page by page from the wire (``import_begin`` / ``import_chunk``, the remote
 one); then sequences advance together: one ``step`` runs one batched forward for every decoding
@@ -20,12 +22,13 @@ from kvwire.engine.prefix_cache import PrefixCache, cache_salt
 from kvwire.engine.speculative import draft_sample
 from kvwire.engine.step_cost import StepCost
 from kvwire.kv.wire import DecodedChunk
+from kvwire.model.draft_head import DraftHead
 from kvwire.runtime import Runtime
 from kvwire.sampling_params import SamplingParams
 
 
 class ModelRunner:
-    def __init__(self, runtime: Runtime, num_pages: int, draft: Runtime | None = None,
+    def __init__(self, runtime: Runtime, num_pages: int, draft: Runtime | DraftHead | None = None,
                  draft_pages: int | None = None, prefix_caching: bool = False):
         self.runtime = runtime
         self.cache = runtime.new_cache(num_pages)
@@ -33,9 +36,14 @@ class ModelRunner:
         self.prefix = PrefixCache(self.cache.pool, runtime.spec.block_size, cache_salt(runtime.fingerprint, runtime.spec)) \
             if prefix_caching and self.cache.tables.window is None else None
         self.draft = draft
+        self.head = draft if isinstance(draft, DraftHead) else None
         # The draft holds at most as many tokens per sequence as the target, so a pool as large as
         # the target's never runs out under the scheduler's reservations.
-        self.draft_cache = draft.new_cache(draft_pages or num_pages) if draft is not None else None
+        self.draft_cache = draft.new_cache(draft_pages or num_pages) if isinstance(draft, Runtime) else None
+        # Draft head: seq -> the target's final normed hidden state [hidden] at the position before
+        # the pending token (what the head continues from), and the last step's rows per sequence.
+        self.features: dict[int, torch.Tensor] = {}
+        self._hidden: dict[int, torch.Tensor] = {}
         # seq -> (its length before, tokens fed) in the last multi-token step: what ``keep`` rolls back
         self._starts: dict[int, tuple[int, int]] = {}
         self.step_cost = StepCost()  # what a verification row costs here, from ``step``'s timings
@@ -62,6 +70,8 @@ class ModelRunner:
         logits = self.runtime.model(torch.tensor(tokens[start:]), positions, kv,
                                     logits_rows=torch.tensor([len(tokens) - start - 1]))
         self.remember_prefix(seq, tokens)
+        if self.head is not None:
+            self.features[seq] = self.runtime.model.last_hidden[0]
         return logits[0]
 
     def import_begin(self, seq: int, num_tokens: int) -> list[int]:
@@ -98,6 +108,8 @@ class ModelRunner:
                                     self.cache)  # [num_tokens, vocab]
         self.step_cost.add(len(seqs), sum(counts), time.perf_counter() - t0)
         self._starts = {s: (start, n) for s, start, n in zip(seqs, starts, counts) if n > 1}
+        if self.head is not None:
+            self._hidden = dict(zip(seqs, self.runtime.model.last_hidden.split(counts)))
         return list(logits.split(counts))
 
     def keep(self, seq: int, num_kept: int) -> None:
@@ -111,14 +123,37 @@ class ModelRunner:
         if num_kept < n and seq in self.cache.tables:
             self.cache.truncate(seq, start + num_kept)
 
-    # ---- draft model --------------------------------------------------------------------------
+    # ---- draft model or head ------------------------------------------------------------------
+
+    @property
+    def draft_positions(self) -> int:
+        """Tokens a sequence may hold for the draft to propose after it (a head has no limit)."""
+        if self.head is not None:
+            return 1 << 62
+        return self.draft.model_config.max_position_embeddings if self.draft is not None else 0
+
+    def can_propose(self, seq: int) -> bool:
+        """A draft head needs the target's feature before the pending token: a sequence whose
+        prompt KV came over the wire has none until its first decode step."""
+        return self.head is None or seq in self.features
+
+    def advance(self, seq: int, row: int) -> None:
+        """After ``step``: the pending token of ``seq`` was chosen from the logits of its fed token
+        number ``row`` (0: plain step; the number of accepted proposals after a verification), so
+        that row's hidden state is what a draft head continues from."""
+        rows = self._hidden.get(seq)
+        if rows is not None:
+            self.features[seq] = rows[row]
 
     def propose(self, seqs: Sequence[int], contexts: Sequence[Sequence[int]], ks: Sequence[int],
                 params: Sequence[SamplingParams], first_steps: Sequence[int]):
         """Draft ``ks[i]`` tokens after ``contexts[i]`` (prompt + generated, ending with the
         pending token) for each sequence, batched. The draft first catches up on the context it
         has not seen (the whole prompt the first time). Returns (tokens [k_i], q [k_i, vocab] or
-        None when greedy) per sequence."""
+        None when greedy, confidence) per sequence: the confidence is a draft head's probability
+        of each proposal (``_propose_head``), None for a draft model."""
+        if self.head is not None:
+            return self._propose_head(seqs, contexts, ks, params, first_steps)
         dc, model = self.draft_cache, self.draft.model
         feeds = [list(ctx[dc.length(s) if s in dc.tables else 0:]) for s, ctx in zip(seqs, contexts)]
         ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
@@ -138,7 +173,38 @@ class ModelRunner:
                 break
             positions = dc.prepare([seqs[i] for i in active], [1] * len(active))
             logits = model(torch.tensor([props[i][-1] for i in active]), positions, dc)
-        return [(p, torch.stack(q) if q else None) for p, q in zip(props, qs)]
+        return [(p, torch.stack(q) if q else None, None) for p, q in zip(props, qs)]
+
+    def _propose_head(self, seqs, contexts, ks, params, first_steps, stop_below: float = 0.25):
+        """``propose`` with the draft head: chained from each sequence's feature and pending token,
+        batched over the sequences still drafting. A sequence stops drafting once the product of
+        its proposals' confidences (the head's probability of its top token) is below ``stop_below``:
+        the next one would be accepted too rarely to be worth its row."""
+        feats = torch.stack([self.features[s] for s in seqs])  # [S, hidden]
+        toks = torch.tensor([ctx[-1] for ctx in contexts])  # [S]
+        props: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        confs: list[list[float]] = [[] for _ in seqs]
+        reach = [1.0] * len(seqs)
+        active = list(range(len(seqs)))
+        while active:
+            feats, small = self.head(feats, toks)  # [A, hidden], [A, head_vocab]
+            top, arg = torch.softmax(small, dim=-1).max(-1)
+            best = self.head.head_vocab[arg].tolist()  # greedy proposals: no full-vocab row
+            for j, i in enumerate(active):
+                confs[i].append(float(top[j]))
+                reach[i] *= confs[i][-1]
+                if params[i].greedy:
+                    props[i].append(best[j])
+                    continue
+                tok, q = draft_sample(self.head.full_logits(small[j:j + 1])[0], params[i],
+                                      first_steps[i] + len(props[i]))
+                props[i].append(tok)
+                qs[i].append(q)
+            more = [j for j, i in enumerate(active) if len(props[i]) < ks[i] and reach[i] >= stop_below]
+            active = [active[j] for j in more]
+            feats, toks = feats[more], torch.tensor([props[i][-1] for i in active], dtype=torch.int64)
+        return [(p, torch.stack(q) if q else None, c) for p, q, c in zip(props, qs, confs)]
 
     def draft_truncate(self, seq: int, length: int) -> None:
         """Keep at most ``length`` tokens of the draft's KV for ``seq`` (rejected proposals go)."""
@@ -162,11 +228,14 @@ class ModelRunner:
                 self.step([seq], [[0] * rows])
                 self.keep(seq, 1)
         if self.draft is not None:
+            self.advance(seq, 0)
             self.propose([seq], [[0] * 12], [3], [SamplingParams()], [0])
         self.free(seq)
 
     def free(self, seq: int) -> None:
         self._starts.pop(seq, None)
+        self.features.pop(seq, None)
+        self._hidden.pop(seq, None)
         self.cache.reset(seq)  # unknown ids are fine: a request may end before its pages existed
         if self.draft_cache is not None:
             self.draft_cache.reset(seq)

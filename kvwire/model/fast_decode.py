@@ -124,6 +124,7 @@ class FastDecode:
         rows = x.shape[0]
         normed = torch.empty(rows, self.hidden)
         self.lib.kvw_rms_norm(x.data_ptr(), rows, self.hidden, self.final_norm.data_ptr(), self.eps, normed.data_ptr())
+        self.model.last_hidden = normed  # [num_rows, hidden] (kvwire.model.draft_head)
         logits = torch.empty(rows, self.vocab)
         hd = self.head
         self._head_fn(normed.data_ptr(), rows, hd.in_features, hd.w, self.vocab, logits.data_ptr(), hd.scale,

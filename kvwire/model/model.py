@@ -144,6 +144,7 @@ class Transformer(nn.Module):
         # A fused implementation of decode steps (kvwire.model.fast_decode), set after loading and
         # quantization; it returns None for the steps it does not take, which then run below.
         self.step_fn = None
+        self.last_hidden: torch.Tensor | None = None  # the last forward's final normed hidden state, its logits rows
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -163,4 +164,5 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache)
         if logits_rows is not None:
             x = x[logits_rows]  # [num_rows, hidden]
-        return self.lm_head(self.norm(x)).float()  # [num_rows, vocab]
+        self.last_hidden = self.norm(x)  # [num_rows, hidden]: what a draft head reads (kvwire.model.draft_head)
+        return self.lm_head(self.last_hidden).float()  # [num_rows, vocab]

@@ -1,0 +1,149 @@
+"""The draft head (kvwire/model/draft_head.py) in the engine: it continues from the right hidden
+state, greedy output stays plain greedy's, seeded sampling does not depend on the batch, and a head
+made for other weights does not load."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvwire import LLM, SamplingParams
+from kvwire.config import KVDtype, QuantMode
+from kvwire.files import LoadError
+from kvwire.model.draft_head import DraftHead, DraftHeadConfig, load_for_target, save_draft_head
+from kvwire.model.quant import Int8Linear
+from kvwire.runtime import EngineConfig, load_engine
+from tests.decode_svc.harness import tiny_model
+
+PROMPTS = [[40, 41, 42] * 6, list(range(5, 25)), [7, 8, 9, 10] * 4]
+
+
+def make_head(target_dir, out, seed: int = 0, sha: str | None = None, copy: bool = False):
+    """A head for ``target_dir`` with random layers, or (``copy``) one that proposes what the
+    target's LM head says for the feature it is given: fc passes the feature through, the MLP adds
+    nothing, the head rows are the target's LM head (all of the vocabulary) - so on a sequence where
+    the target repeats its last token, every proposal is accepted."""
+    rt = load_engine(EngineConfig(model_dir=target_dir, weights=QuantMode.NONE))
+    cfg = rt.model_config
+    vocab = torch.arange(cfg.vocab_size) if copy else torch.randperm(cfg.vocab_size)[:cfg.vocab_size // 2].sort().values
+    hcfg = DraftHeadConfig(cfg.hidden_size, 2 * cfg.hidden_size, 1, len(vocab), cfg.vocab_size, cfg.rms_norm_eps,
+                           rt.fingerprint.weights_sha256 if sha is None else sha, rt.fingerprint.tokenizer_sha256)
+    head = DraftHead(hcfg, rt.model.embed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        head.head_vocab.copy_(vocab)
+        if copy:
+            h = cfg.hidden_size
+            head.fc.weight.zero_()
+            head.fc.weight[:, :h] = torch.eye(h)
+            head.blocks[0].down.weight.zero_()
+            head.head.weight.zero_()
+            head.head.weight[:cfg.vocab_size] = rt.model.lm_head.weight
+    return save_draft_head(head, out)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft-head")
+    target = tiny_model(root / "target")
+    return target, make_head(target, root / "head"), make_head(target, root / "copy", copy=True)
+
+
+def _run(llm, prompts, params):
+    reqs = [llm.core.requests[llm.add_request(p, params)] for p in prompts]
+    while llm.has_unfinished():
+        llm.step()
+    return reqs
+
+
+@pytest.mark.parametrize("kv", [KVDtype.FP8_E4M3, KVDtype.BF16])
+def test_greedy_with_a_draft_head_equals_plain_greedy(pair, kv):
+    target, head, copy = pair
+    for h in (head, copy):
+        llm = LLM(target, kv_dtype=kv, num_pages=128, draft_model=h, speculative="draft",
+                  speculative_auto_off=False)
+        llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, greedy_max_batch=0)
+        plain = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True, speculative="none"))
+        reqs = _run(llm, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True, num_speculative_tokens=4))
+        assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
+        assert sum(r.drafted for r in reqs) > 0 and llm.stats()["used"] == 0
+        assert not llm.core.runner.features  # freed with their sequences
+
+
+def test_the_head_continues_from_the_hidden_state_that_chose_the_pending_token(pair):
+    """After plain and verification steps alike, a sequence's feature is the target's final normed
+    hidden state at the position before its pending token (checked against a fresh forward)."""
+    target, _, copy = pair
+    llm = LLM(target, weights="none", kv_dtype="bf16", num_pages=128, draft_model=copy, speculative="draft",
+              speculative_auto_off=False)
+    runner = llm.core.runner
+    req = llm.core.requests[llm.add_request([5] * 12, SamplingParams(max_tokens=60, ignore_eos=True))]
+    checked = 0
+    while req.generated < 40:
+        llm.step()
+        ctx = req.context
+        check = runner.runtime.new_cache(64)
+        positions = check.prepare([0], [len(ctx) - 1])
+        runner.runtime.model(torch.tensor(ctx[:-1]), positions, check, logits_rows=torch.tensor([len(ctx) - 2]))
+        want = runner.runtime.model.last_hidden[0]
+        got = runner.features[req.seq]
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), (req.generated, got, want)
+        checked += 1
+    assert req.accepted > 0 and checked >= 5  # verification steps that kept proposals were checked too
+    llm.abort(req.request_id)
+
+
+def test_the_copying_head_is_accepted_where_the_target_repeats(pair):
+    """Proposals are accepted, not only rejected: the head that repeats the target's own choice is
+    right whenever the target repeats its last token (the tiny model does, on these prompts)."""
+    target, _, copy = pair
+    llm = LLM(target, num_pages=128, draft_model=copy, speculative="draft", speculative_auto_off=False)
+    llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, greedy_max_batch=0)
+    prompts = [[t] * 12 for t in range(3, 60)]
+    reqs = _run(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True, num_speculative_tokens=4))
+    assert sum(r.accepted for r in reqs) > 0
+
+
+def test_seeded_sampling_with_a_head_does_not_depend_on_the_batch(pair):
+    target, head, _ = pair
+    llm = LLM(target, num_pages=256, draft_model=head, speculative="draft")
+    llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, auto_off=False)
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+    alone = [o.token_ids for o in (llm.generate([p], params)[0] for p in PROMPTS)]
+    batched = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert alone == batched
+
+
+def test_a_head_is_quantized_like_the_target_and_must_match_its_weights(pair, tmp_path):
+    target, head, _ = pair
+    llm = LLM(target, num_pages=64, draft_model=head)
+    assert any(isinstance(m, Int8Linear) for m in llm.core.runner.head.modules())
+    other = make_head(target, tmp_path / "other", sha="0" * 64)
+    rt = load_engine(EngineConfig(model_dir=target))
+    with pytest.raises(LoadError, match="distilled from other target weights"):
+        load_for_target(other, rt, QuantMode.INT8)
+    bigger = tiny_model(tmp_path / "bigger", hidden_size=96)
+    with pytest.raises(LoadError, match="width 64"):
+        load_for_target(head, load_engine(EngineConfig(model_dir=bigger)), QuantMode.INT8)
+
+
+def test_the_heads_confidence_sizes_the_proposal_and_a_long_quote_wins():
+    from kvwire.engine import speculative as spec
+    from kvwire.engine.request import Request
+    from kvwire.sampling_params import SpeculativeMode
+    cfg = spec.SpecConfig(mode=SpeculativeMode.DRAFT)
+    req = Request("r", 0, [1, 2, 3], SamplingParams(), frozenset(), SpeculativeMode.DRAFT, k_max=4,
+                  by_confidence=True, context=[1, 2, 3, 9])
+    req.costs = [0.0, 0.2, 0.4, 0.6, 0.8]
+    q = torch.rand(4, 10)
+    tokens, got_q = spec.head_proposal(req, [5, 6, 7, 8], q, [0.9, 0.9, 0.1, 0.9], cfg)
+    assert tokens == [5, 6] and torch.equal(got_q, q[:2])  # the third would be accepted 1 time in 10
+    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.1, 0.9, 0.9, 0.9], cfg) == ([], None)
+    # the context ends with a 6-token run seen before: the lookup expects more than the head
+    req.context = [4, 10, 11, 12, 13, 14, 15, 20, 21, 22, 23, 4, 10, 11, 12, 13, 14, 15]
+    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6, 0.6, 0.6, 0.6], cfg)[0] == [20, 21, 22, 23]
+    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6] * 4, dataclasses.replace(cfg, adaptive=False)) \
+        == ([5, 6, 7, 8], None)
