@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: decode tokens/s of none, ngram and draft, side by side in one run.
 
-    python -m bench speculative --model smollm2-135m-instruct            # n-gram (no draft needed)
+    python -m bench speculative --model smollm2-135m-instruct            # n-gram, and the shipped draft head
     python -m bench speculative                                          # embedded pair: ngram + draft
     python -m bench speculative --model-dir DIR --draft-model-dir DRAFT --batches 1,8 --prompts 12
 

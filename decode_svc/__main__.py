@@ -112,8 +112,9 @@ def load_draft(args: argparse.Namespace, target_cfg, target):
         log.info("no draft model: speculative=draft requests will be refused")
         return None
     if is_draft_head(path):
-        head = load_for_target(path, target, QuantMode(args.draft_weights))
-        log.info("draft head %s loaded (weights %s; %d-token head vocabulary)", path, args.draft_weights,
+        weights = QuantMode(args.draft_weights or args.weights)
+        head = load_for_target(path, target, weights)
+        log.info("draft head %s loaded (weights %s; %d-token head vocabulary)", path, weights.value,
                  head.cfg.head_vocab)
         return head
     draft_config = load_config(path)
@@ -121,7 +122,7 @@ def load_draft(args: argparse.Namespace, target_cfg, target):
         raise LoadError(f"draft model {path} has vocab size {draft_config.vocab_size}, the target "
                         f"{target_cfg.model_dir} has {target.model_config.vocab_size}: a draft must share "
                         "the target's tokenizer")
-    cfg = dataclasses.replace(target_cfg, model_dir=path, weights=QuantMode(args.draft_weights),
+    cfg = dataclasses.replace(target_cfg, model_dir=path, weights=QuantMode(args.draft_weights or args.weights),
                               kv_dtype=KVDtype(args.draft_kv_dtype))
     draft = load_engine(cfg)
     if draft.fingerprint.tokenizer_sha256 != target.fingerprint.tokenizer_sha256:
@@ -185,8 +186,8 @@ def main() -> None:
                     help="draft model (same tokenizer as --model-dir) or draft head (a directory with "
                          "draft_head.json, distilled from --model-dir); loaded only when given, or with "
                          "--speculative draft from <model-dir>-draft beside the model; '' = none")
-    sp.add_argument("--draft-weights", choices=[m.value for m in QuantMode], default=QuantMode.NONE.value,
-                    help="draft weight mode")
+    sp.add_argument("--draft-weights", choices=[m.value for m in QuantMode], default=None,
+                    help="draft (or draft head) weight mode (default: the target's --weights)")
     sp.add_argument("--draft-kv-dtype", choices=[d.value for d in KVDtype], default=KVDtype.BF16.value,
                     help="draft KV page dtype (bf16: the draft's writes skip fp8 scale upkeep; its pool has "
                          "--num-pages pages)")

@@ -111,10 +111,35 @@ FREE_FORMS = ["Explain {t} in simple terms.", "Can you tell me about {t}?", "Giv
               "Write a short paragraph about {t}.", "What should a beginner know about {t}?"]
 
 
-def chat_prompts(corpus: Corpus, n: int, seed: int, free_topics: list[str] = TRAIN_TOPICS) -> list[str]:
+# Everyday requests (poems, tips, notes, stories) on subjects none of bench/prompts_spec.py's chat
+# prompts is about, so the benchmark's chat set stays unseen.
+EVERYDAY_SUBJECTS = [
+    "a houseplant", "learning to cook", "a long train journey", "saving money", "a birthday party",
+    "morning routines", "running a first 5k", "keeping a journal", "dogs", "autumn", "a city park",
+    "moving to a new town", "board games", "gardening", "a snowy day", "public libraries",
+    "learning a new language", "camping", "a lighthouse", "coffee", "bicycles", "recycling",
+    "a thunderstorm", "baking bread", "owls", "volunteering", "a museum visit", "packing for a move",
+    "making friends", "the moon", "rivers", "a farmers market", "painting", "sleep", "a picnic",
+    "time management", "a small balcony garden", "music practice", "a rainy afternoon", "elephants",
+    "honey bees", "the desert", "a job interview", "cooking rice", "mountains", "writing letters",
+    "a road trip", "kites", "old trees", "a lost umbrella"]
+EVERYDAY_FORMS = [
+    "Write a short poem about {t}.", "Give me three tips about {t}.", "Tell me a fun fact about {t}.",
+    "Describe {t} in a few sentences.", "Write a friendly note to a friend about {t}.",
+    "Why do people enjoy {t}?", "Suggest a name for a blog about {t} and say why.",
+    "What should I know before trying {t}?", "Explain {t} to a child.",
+    "Write the opening of a short story about {t}."]
+
+
+def chat_prompts(corpus: Corpus, n: int, seed: int, free_topics: list[str] = TRAIN_TOPICS,
+                 everyday_share: float = 0.0) -> list[str]:
     """``n`` user messages: grounded tasks over the corpus (summarize, quote, extract, explain or edit
-    code, write a function from a docstring) and free questions, mixed."""
-    rng = random.Random(seed)
+    code, write a function from a docstring) and free questions, mixed; ``everyday_share`` of them
+    replaced by everyday requests (EVERYDAY_FORMS x EVERYDAY_SUBJECTS)."""
+    rng, pick = random.Random(seed), random.Random(seed + 1)
+    everyday = [f.format(t=s) for f in EVERYDAY_FORMS for s in EVERYDAY_SUBJECTS]
+    pick.shuffle(everyday)  # drawn in this order: no repeats before all 500 are used
+    used = 0
     paras = [p for _, t in corpus.docs for p in paragraphs(t)]
     paras += [p for _, t in corpus.code for p in paragraphs(ast.get_docstring(_safe_parse(t)) or "")]
     funcs = [f for _, t in corpus.code for f in functions(t)]
@@ -122,6 +147,10 @@ def chat_prompts(corpus: Corpus, n: int, seed: int, free_topics: list[str] = TRA
     rng.shuffle(funcs)
     out = []
     for i in range(n):
+        if everyday_share and pick.random() < everyday_share:
+            out.append(everyday[used % len(everyday)])
+            used += 1
+            continue
         kind = i % 8
         if kind in (0, 1) and paras:
             p = paras[i % len(paras)]

@@ -115,6 +115,8 @@ def main():
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--prompts", type=int, default=3000, help="chat prompts offered to the answer phase")
     ap.add_argument("--max-tokens", type=int, default=160, help="answer length")
+    ap.add_argument("--everyday-share", type=float, default=0.0,
+                    help="share of the chat prompts that are everyday requests (tools/draft_data.py)")
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--gen-share", type=float, default=0.3, help="share of the budget for answers")
     ap.add_argument("--label-share", type=float, default=0.2, help="share of the budget for teacher labels")
@@ -136,7 +138,7 @@ def main():
     t_start, budget = time.time(), args.minutes * 60
 
     corpus = draft_data.load_corpus("train")
-    prompts = draft_data.chat_prompts(corpus, args.prompts, args.seed)
+    prompts = draft_data.chat_prompts(corpus, args.prompts, args.seed, everyday_share=args.everyday_share)
     chats, _ = generate_answers(prompts, budget * args.gen_share, args.max_tokens, args.gen_batch, args.threads)
     t_gen = time.time() - t_start
 
