@@ -194,11 +194,31 @@ def _sample_tokens(core: EngineCore, prompt, params, n_requests, n_tokens):
     return counts
 
 
-@pytest.mark.parametrize("mode", ["draft", "ngram"])
+def _engine_with_head(target_dir, head_dir, scale: float) -> EngineCore:
+    """A draft head (random layers, half the vocabulary) proposing every step (not adaptive)."""
+    from kvwire.config import QuantMode
+    from kvwire.model.draft_head import load_for_target
+    tgt = load_engine(EngineConfig(model_dir=target_dir, kv_dtype=KVDtype.BF16))
+    tgt.model.lm_head.weight.mul_(scale)
+    head = load_for_target(head_dir, tgt, QuantMode.NONE)
+    head.head.weight.mul_(scale)
+    return EngineCore(ModelRunner(tgt, 2048, head), SchedulerConfig(2048, max_running=1000, max_waiting=1000),
+                      spec.SpecConfig(adaptive=False, auto_off=False))
+
+
+@pytest.mark.parametrize("mode", ["draft", "ngram", "head"])
 def test_speculative_sampling_matches_plain_sampling_distribution(tmp_path, mode):
     target = tiny_model(tmp_path / "t", vocab_size=12)
-    draft = tiny_model(tmp_path / "d", seed=5, vocab_size=12, hidden_size=32, num_layers=1)
-    core = _engine(target, draft, scale=6.0)
+    if mode == "head":
+        from tests.engine.test_draft_head import make_head
+        core = _engine_with_head(target, make_head(target, tmp_path / "h", seed=3), scale=6.0)
+        proposals = []
+        inner = core.runner.propose
+        core.runner.propose = lambda *a: proposals.append(len(a[0])) or inner(*a)  # sequences drafting
+        mode = "draft"
+    else:
+        draft = tiny_model(tmp_path / "d", seed=5, vocab_size=12, hidden_size=32, num_layers=1)
+        core = _engine(target, draft, scale=6.0)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # repeats, so n-gram lookup always proposes
     base = SamplingParams(max_tokens=64, temperature=0.9, top_k=8)
     n = 400
@@ -213,7 +233,11 @@ def test_speculative_sampling_matches_plain_sampling_distribution(tmp_path, mode
     for j in (1, 2):
         pooled = (plain[j] + specd[j]) / (2 * n)
         assert chi2_pvalue(specd[j], pooled) > 1e-4, (j, plain[j], specd[j])
-    assert core.runner.cache.stats()["used"] == 0 and core.runner.draft_cache.stats()["used"] == 0
+    assert core.runner.cache.stats()["used"] == 0
+    if core.runner.head is not None:
+        assert sum(proposals) > 400 and not core.runner.features  # the head proposed; nothing of it is left
+    else:
+        assert core.runner.draft_cache.stats()["used"] == 0
 
 
 async def test_seeded_speculative_sampling_is_reproducible_across_batches(models):
