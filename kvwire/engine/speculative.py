@@ -209,16 +209,17 @@ def ngram_proposal(req, k: int, cfg: SpecConfig) -> list[int]:
     return req.context[start:start + k] if n and k > 0 else []
 
 
-def head_proposal(req, tokens: list[int], q, conf: list[float], cfg: SpecConfig):
-    """What a draft head's request proposes: as many of the head's tokens as make the most tokens
-    per unit of time, the head's confidences taken as acceptance chances (``best_length``); or,
-    adaptive, the n-gram lookup's proposal where that expects more (quoting the prompt). Returns
-    (tokens, q or None)."""
-    k, rate = best_length(conf, req.costs) if cfg.adaptive else (len(tokens), 0.0)
+def head_proposal(req, tokens: list[int], q, conf: list[float], limit: int, cfg: SpecConfig):
+    """What a draft head's request proposes (at most ``limit`` tokens): as many of the head's
+    tokens as make the most tokens per unit of time, the head's confidences taken as acceptance
+    chances (``best_length``); or, adaptive, the n-gram lookup's proposal where that expects more
+    (quoting the prompt). Returns (tokens, q or None)."""
+    costs = req.costs[:limit + 1]
+    k, rate = best_length(conf, costs) if cfg.adaptive else (min(len(tokens), limit), 0.0)
     if cfg.adaptive:
         n, start = ngram_match(req.context, cfg.ngram_max, cfg.ngram_min)
         if n:
-            kn, rate_n = best_length([1.0 - cfg.ngram_miss / n] * len(req.costs), req.costs)
+            kn, rate_n = best_length([1.0 - cfg.ngram_miss / n] * limit, costs)
             if kn and rate_n > rate:
                 return req.context[start:start + kn], None
     return tokens[:k], (q[:k] if q is not None and k else None)
@@ -249,7 +250,7 @@ def decode_step(runner, batch, cfg: SpecConfig) -> list[tuple[list[int], int]]:
                                 [ks[i] for i in drafting], [batch[i].params for i in drafting],
                                 [batch[i].generated for i in drafting])
         for i, (tokens, q, conf) in zip(drafting, drafts):
-            props[i], qs[i] = head_proposal(batch[i], tokens, q, conf, cfg) if conf is not None else (tokens, q)
+            props[i], qs[i] = head_proposal(batch[i], tokens, q, conf, ks[i], cfg) if conf is not None else (tokens, q)
     logits = runner.step([r.seq for r in batch], [[r.context[-1], *p] for r, p in zip(batch, props)])
     results = []
     for r, p, q, rows in zip(batch, props, qs, logits):

@@ -139,11 +139,13 @@ def test_the_heads_confidence_sizes_the_proposal_and_a_long_quote_wins():
                   by_confidence=True, context=[1, 2, 3, 9])
     req.costs = [0.0, 0.2, 0.4, 0.6, 0.8]
     q = torch.rand(4, 10)
-    tokens, got_q = spec.head_proposal(req, [5, 6, 7, 8], q, [0.9, 0.9, 0.1, 0.9], cfg)
+    tokens, got_q = spec.head_proposal(req, [5, 6, 7, 8], q, [0.9, 0.9, 0.1, 0.9], 4, cfg)
     assert tokens == [5, 6] and torch.equal(got_q, q[:2])  # the third would be accepted 1 time in 10
-    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.1, 0.9, 0.9, 0.9], cfg) == ([], None)
+    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.1, 0.9, 0.9, 0.9], 4, cfg) == ([], None)
     # the context ends with a 6-token run seen before: the lookup expects more than the head
     req.context = [4, 10, 11, 12, 13, 14, 15, 20, 21, 22, 23, 4, 10, 11, 12, 13, 14, 15]
-    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6, 0.6, 0.6, 0.6], cfg)[0] == [20, 21, 22, 23]
-    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6] * 4, dataclasses.replace(cfg, adaptive=False)) \
+    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6, 0.6, 0.6, 0.6], 4, cfg)[0] == [20, 21, 22, 23]
+    # never past the step's limit (the tokens left before max_tokens), whichever source proposes
+    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6, 0.6, 0.6, 0.6], 2, cfg)[0] == [20, 21]
+    assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6] * 4, 4, dataclasses.replace(cfg, adaptive=False)) \
         == ([5, 6, 7, 8], None)
