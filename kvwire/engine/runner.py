@@ -44,6 +44,7 @@ class ModelRunner:
         # the pending token (what the head continues from), and the last step's rows per sequence.
         self.features: dict[int, torch.Tensor] = {}
         self._hidden: dict[int, torch.Tensor] = {}
+        self._head_seconds: tuple[float, int] = (0.0, 0)  # running mean of one chained head call, calls
         # seq -> (its length before, tokens fed) in the last multi-token step: what ``keep`` rolls back
         self._starts: dict[int, tuple[int, int]] = {}
         self.step_cost = StepCost()  # what a verification row costs here, from ``step``'s timings
@@ -137,6 +138,14 @@ class ModelRunner:
         prompt KV came over the wire has none until its first decode step."""
         return self.head is None or seq in self.features
 
+    def head_cost(self, batch: int) -> float | None:
+        """What one draft-head proposal adds to a step of ``batch`` requests, in plain steps of a
+        request (StepCost's unit: a plain step's time over ``batch``), as if its chained head call
+        served that request alone; None until both were measured."""
+        plain = self.step_cost.plain(batch)
+        mean, n = self._head_seconds
+        return mean / plain * batch if plain is not None and n >= self.step_cost.min_steps else None
+
     def advance(self, seq: int, row: int) -> None:
         """After ``step``: the pending token of ``seq`` was chosen from the logits of its fed token
         number ``row`` (0: plain step; the number of accepted proposals after a verification), so
@@ -188,7 +197,11 @@ class ModelRunner:
         reach = [1.0] * len(seqs)
         active = list(range(len(seqs)))
         while active:
+            t0 = time.perf_counter()
             feats, small = self.head(feats, toks)  # [A, hidden], [A, head_vocab]
+            mean, n = self._head_seconds
+            n += 1
+            self._head_seconds = (mean + max(self.step_cost.weight, 1.0 / n) * (time.perf_counter() - t0 - mean), n)
             top, arg = torch.softmax(small, dim=-1).max(-1)
             best = self.head.head_vocab[arg].tolist()  # greedy proposals: no full-vocab row
             for j, i in enumerate(active):
@@ -229,7 +242,8 @@ class ModelRunner:
                 self.keep(seq, 1)
         if self.draft is not None:
             self.advance(seq, 0)
-            self.propose([seq], [[0] * 12], [3], [SamplingParams()], [0])
+            for _ in range(self.step_cost.min_steps if self.head is not None else 1):  # the head's price too
+                self.propose([seq], [[0] * 12], [3], [SamplingParams()], [0])
         self.free(seq)
 
     def free(self, seq: int) -> None:

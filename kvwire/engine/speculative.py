@@ -161,8 +161,8 @@ class SpecConfig:
     # plain steps (SmolLM2-135M, int8, FP8 KV, 2-core AVX-512 CPU, fused decode kernels); a draft step adds its own.
     ngram_cost: float = 0.3  # n-gram proposals (one-call verification only)
     draft_cost: float = 0.6  # draft proposals (verification + drafting)
-    # A draft head's proposal, on top of its row (measured: 0.27 ms per token for SmolLM2's head, int8, 1 thread,
-    # against a 6 ms plain step)
+    # A draft head's proposal, on top of its row, until the runner has measured it (greedy requests; SmolLM2's
+    # head: 0.27 ms per token, int8, 1 thread, against a 6 ms plain step)
     head_cost: float = 0.05
     # adaptive, a draft head's request whose context ends with an earlier match of at least this many tokens
     # proposes the lookup's continuation without drafting (quoting: s >= 0.75 per token, above the head's)
@@ -195,9 +195,11 @@ def row_costs(runner, req, batch_size: int, cfg: SpecConfig) -> list[float]:
     if cfg.measure_cost and req.mode is SpeculativeMode.NGRAM and req.params.greedy:
         return runner.step_cost.extras(batch_size, req.k_max, per_row)
     if req.by_confidence:  # rows as measured (greedy) plus the head's own cost per proposal
-        rows = runner.step_cost.extras(batch_size, req.k_max, cfg.ngram_cost) if cfg.measure_cost and \
-            req.params.greedy else [cfg.ngram_cost * i for i in range(req.k_max + 1)]
-        return [c + cfg.head_cost * i for i, c in enumerate(rows)]
+        measured = cfg.measure_cost and req.params.greedy
+        rows = runner.step_cost.extras(batch_size, req.k_max, cfg.ngram_cost) if measured \
+            else [cfg.ngram_cost * i for i in range(req.k_max + 1)]
+        head = (runner.head_cost(batch_size) if measured else None) or cfg.head_cost
+        return [c + head * i for i, c in enumerate(rows)]
     return [per_row * i for i in range(req.k_max + 1)]
 
 

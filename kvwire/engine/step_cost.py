@@ -30,6 +30,10 @@ class StepCost:
         mean, n = self._means.get((batch, rows), (0.0, 0))
         return mean if n >= self.min_steps and mean > 0 else None
 
+    def plain(self, batch: int) -> float | None:
+        """Seconds of a plain step of ``batch`` requests, once measured."""
+        return self._mean(batch, batch)
+
     def extra(self, batch: int, rows: int) -> float | None:
         """``rows`` extra rows of one request in a step of ``batch`` requests, in plain steps of
         that request; None until both that step and a plain one were measured."""

@@ -62,14 +62,16 @@ def _run(llm, prompts, params):
 @pytest.mark.parametrize("kv", [KVDtype.FP8_E4M3, KVDtype.BF16])
 def test_greedy_with_a_draft_head_equals_plain_greedy(pair, kv):
     target, head, copy = pair
-    for h in (head, copy):
+    for h, adaptive in ((head, False), (copy, False), (copy, True)):
+        # not adaptive: every step proposes k (on the tiny model a head call costs about a step,
+        # so the adaptive rule proposes little; it is exact either way)
         llm = LLM(target, kv_dtype=kv, num_pages=128, draft_model=h, speculative="draft",
-                  speculative_auto_off=False)
+                  speculative_auto_off=False, speculative_adaptive=adaptive)
         llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, greedy_max_batch=0)
         plain = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True, speculative="none"))
         reqs = _run(llm, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True, num_speculative_tokens=4))
         assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
-        assert sum(r.drafted for r in reqs) > 0 and llm.stats()["used"] == 0
+        assert (sum(r.drafted for r in reqs) > 0 or adaptive) and llm.stats()["used"] == 0
         assert not llm.core.runner.features  # freed with their sequences
 
 
@@ -78,7 +80,7 @@ def test_the_head_continues_from_the_hidden_state_that_chose_the_pending_token(p
     hidden state at the position before its pending token (checked against a fresh forward)."""
     target, _, copy = pair
     llm = LLM(target, weights="none", kv_dtype="bf16", num_pages=128, draft_model=copy, speculative="draft",
-              speculative_auto_off=False)
+              speculative_auto_off=False, speculative_adaptive=False)
     runner = llm.core.runner
     req = llm.core.requests[llm.add_request([5] * 12, SamplingParams(max_tokens=60, ignore_eos=True))]
     checked = 0
@@ -100,7 +102,8 @@ def test_the_copying_head_is_accepted_where_the_target_repeats(pair):
     """Proposals are accepted, not only rejected: the head that repeats the target's own choice is
     right whenever the target repeats its last token (the tiny model does, on these prompts)."""
     target, _, copy = pair
-    llm = LLM(target, num_pages=128, draft_model=copy, speculative="draft", speculative_auto_off=False)
+    llm = LLM(target, num_pages=128, draft_model=copy, speculative="draft", speculative_auto_off=False,
+              speculative_adaptive=False)  # the head's own proposals, not the lookup's
     llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, greedy_max_batch=0)
     prompts = [[t] * 12 for t in range(3, 60)]
     reqs = _run(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True, num_speculative_tokens=4))
@@ -149,3 +152,14 @@ def test_the_heads_confidence_sizes_the_proposal_and_a_long_quote_wins():
     assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6, 0.6, 0.6, 0.6], 2, cfg)[0] == [20, 21]
     assert spec.head_proposal(req, [5, 6, 7, 8], None, [0.6] * 4, 4, dataclasses.replace(cfg, adaptive=False)) \
         == ([5, 6, 7, 8], None)
+
+
+def test_warm_up_prices_a_head_proposal(pair):
+    from kvwire.engine.runner import ModelRunner
+    target, head, _ = pair
+    rt = load_engine(EngineConfig(model_dir=target, num_pages=64))
+    runner = ModelRunner(rt, 64, load_for_target(head, rt, QuantMode.INT8))
+    assert runner.head_cost(1) is None
+    runner.warm_up()
+    # a head call against the tiny target's step (tens of microseconds): several plain steps here
+    assert 0 < runner.head_cost(1) < float("inf") and not runner.features and runner.cache.stats()["used"] == 0
