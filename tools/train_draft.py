@@ -223,31 +223,52 @@ def train(student, data, head_vocab, seconds: float, args) -> dict:
             "hidden_mse_ema": round(ema[1], 4), "train_top1_match_ema": round(ema[2], 4)}
 
 
+def add_budget_args(ap: argparse.ArgumentParser, out: Path, minutes: float, prompts: int, max_tokens: int,
+                    gen_share: float, export_minutes: float) -> None:
+    """The arguments of every distillation script here (this one, tools/train_draft_head.py): the
+    wall-clock budget and its phases, the answers, the labels, the head vocabulary, threads, seed."""
+    ap.add_argument("--minutes", type=float, default=minutes, help="wall-clock budget of the whole run")
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--prompts", type=int, default=prompts, help="chat prompts offered to the answer phase")
+    ap.add_argument("--max-tokens", type=int, default=max_tokens, help="answer length")
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--gen-share", type=float, default=gen_share, help="share of the budget for answers")
+    ap.add_argument("--label-share", type=float, default=0.2, help="share of the budget for teacher labels")
+    ap.add_argument("--export-minutes", type=float, default=export_minutes, help="kept back for export")
+    ap.add_argument("--topk", type=int, default=16, help="teacher log-probabilities kept per position")
+    ap.add_argument("--head-vocab", type=int, default=8192, help="most frequent target tokens kept in the "
+                    "(reduced) draft head vocabulary")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def start(args: argparse.Namespace) -> tuple[float, float]:
+    """Threads and seed set; returns (start time, budget in seconds)."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    return time.time(), args.minutes * 60
+
+
+def recorded_args(args: argparse.Namespace) -> dict[str, str]:
+    """``args`` as train_stats.json records them: paths inside the repository relative to it."""
+    def show(v):
+        if isinstance(v, Path) and v.resolve().is_relative_to(draft_data.REPO):
+            return str(v.resolve().relative_to(draft_data.REPO))
+        return str(v)
+    return {k: show(v) for k, v in vars(args).items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget of the whole run")
-    ap.add_argument("--out", type=Path, default=OUT)
+    add_budget_args(ap, OUT, minutes=60.0, prompts=1200, max_tokens=128, gen_share=0.25, export_minutes=1.5)
     ap.add_argument("--layers", default="0,10,19,29", help="target layers the draft's blocks start from")
-    ap.add_argument("--prompts", type=int, default=1200, help="chat prompts offered to the answer phase")
-    ap.add_argument("--max-tokens", type=int, default=128, help="answer length")
-    ap.add_argument("--gen-batch", type=int, default=32)
-    ap.add_argument("--gen-share", type=float, default=0.25, help="share of the budget for answers")
-    ap.add_argument("--label-share", type=float, default=0.2, help="share of the budget for teacher labels")
-    ap.add_argument("--export-minutes", type=float, default=1.5, help="kept back for export")
     ap.add_argument("--text-tokens", type=int, default=384, help="length of a plain-text passage")
-    ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--head-vocab", type=int, default=8192, help="most frequent target tokens kept in the "
-                    "head vocabulary (stored in the GGUF for a reduced draft head)")
     ap.add_argument("--negatives", type=int, default=2048)
     ap.add_argument("--hidden-weight", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--batch-tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t_start, budget = time.time(), args.minutes * 60
+    t_start, budget = start(args)
 
     corpus = draft_data.load_corpus("train")
     prompts = draft_data.chat_prompts(corpus, args.prompts, args.seed)
@@ -286,7 +307,7 @@ def main():
     n_label = sum(len(d[0]) for d in data)
     summary = {
         "command": f"python -m tools.train_draft --minutes {args.minutes:g}",
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": recorded_args(args),
         "chats": len(chats), "chat_prompt_tokens": sum(len(p) for p, _ in chats),
         "chat_answer_tokens": sum(len(a) for _, a in chats), "labelled_sequences": len(data),
         "labelled_tokens": n_label, "head_vocab": len(head_vocab),

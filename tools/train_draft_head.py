@@ -22,13 +22,10 @@ import argparse
 import json
 import math
 import os
-import random
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spin-waiting: the CPU is often shared
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from kvwire.config import QuantMode  # noqa: E402
@@ -36,7 +33,7 @@ from kvwire.model.draft_head import DraftHead, DraftHeadConfig, save_draft_head 
 from kvwire.model.registry import resolve_model_path  # noqa: E402
 from kvwire.runtime import EngineConfig, load_engine  # noqa: E402
 from tools import draft_data  # noqa: E402
-from tools.train_draft import generate_answers, teacher_pass  # noqa: E402
+from tools.train_draft import add_budget_args, generate_answers, recorded_args, start, teacher_pass  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 OUT = draft_data.REPO / "models" / "smollm2-draft-head"
@@ -111,18 +108,9 @@ def agreement(head: DraftHead, flat: Flat, unroll: int, answer_only: bool = True
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=55.0, help="wall-clock budget of the whole run")
-    ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--prompts", type=int, default=3000, help="chat prompts offered to the answer phase")
-    ap.add_argument("--max-tokens", type=int, default=160, help="answer length")
+    add_budget_args(ap, OUT, minutes=55.0, prompts=3000, max_tokens=160, gen_share=0.3, export_minutes=1.0)
     ap.add_argument("--everyday-share", type=float, default=0.0,
                     help="share of the chat prompts that are everyday requests (tools/draft_data.py)")
-    ap.add_argument("--gen-batch", type=int, default=32)
-    ap.add_argument("--gen-share", type=float, default=0.3, help="share of the budget for answers")
-    ap.add_argument("--label-share", type=float, default=0.2, help="share of the budget for teacher labels")
-    ap.add_argument("--export-minutes", type=float, default=1.0)
-    ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--head-vocab", type=int, default=8192, help="most frequent target tokens in the head")
     ap.add_argument("--blocks", type=int, default=1)
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--unroll", type=int, default=3, help="chained steps trained on the head's own output")
@@ -130,12 +118,8 @@ def main():
     ap.add_argument("--hidden-weight", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch", type=int, default=512, help="positions per step")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t_start, budget = time.time(), args.minutes * 60
+    t_start, budget = start(args)
 
     corpus = draft_data.load_corpus("train")
     prompts = draft_data.chat_prompts(corpus, args.prompts, args.seed, everyday_share=args.everyday_share)
@@ -213,7 +197,7 @@ def main():
 
     summary = {
         "command": f"python -m tools.train_draft_head --minutes {args.minutes:g}",
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": recorded_args(args),
         "chats": len(chats), "labelled_chats": len(train_idx) + len(held), "held_out_chats": len(held),
         "train_positions": len(flat.ids), "train_answer_positions": sum(hi - a for _, hi, a in flat.bounds),
         "head_vocab": len(head_vocab),
