@@ -297,7 +297,7 @@ def main():
     state = {k: v for k, v in target.model.state_dict().items()}
     student = Student(cfg, state, layers)
     del target
-    train_seconds = budget - (time.time() - t_start) - args.export_minutes * 60
+    train_seconds = max(1.0, budget - (time.time() - t_start) - args.export_minutes * 60)
     stats = train(student, data, head_vocab, train_seconds, args)
 
     from tools.draft_gguf import check, export

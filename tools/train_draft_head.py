@@ -168,7 +168,8 @@ def main():
 
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     starts = flat.starts(args.unroll, answer_weight=2)
-    train_seconds = budget - (time.time() - t_start) - args.export_minutes * 60
+    # at least a second: a budget the data phases used up still trains (and ends), rather than looping on a negative one
+    train_seconds = max(1.0, budget - (time.time() - t_start) - args.export_minutes * 60)
     t0, step, ema = time.time(), 0, None
     bar = tqdm(total=int(train_seconds), desc="train", unit="s", dynamic_ncols=True)
     while (frac := (time.time() - t0) / train_seconds) < 1:
