@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench import common, prompts_spec
+from bench import common, lookup_ceiling, prompts_spec
 from kvwire import LLM, SamplingParams
 from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
@@ -74,6 +74,7 @@ class Row:
     t_draft: float = 0.0
     t_target: float = 0.0
     outputs: list = field(default_factory=list)
+    prompts: list = field(default_factory=list)
 
     def summary(self, base: "Row | None") -> dict:
         tok_s = self.tokens / self.seconds if self.seconds else 0.0
@@ -116,6 +117,7 @@ def decode(llm: LLM, timers: dict[str, Timer], row: Row, prompts: list[list[int]
         row.turned_on += r.turned_on > 0
         row.requests += 1
         row.outputs.append(r.output_ids)
+        row.prompts.append(r.prompt)
 
 
 def batches_of(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
@@ -226,6 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
     # what 1, 2, .. proposals of one request added to a step, in its plain steps, as the engine measured (StepCost)
     cost = llm.core.runner.step_cost
     row_cost = {b: [None if (c := cost.extra(b, i)) is None else round(c, 2) for i in range(1, 9)] for b in batches}
+    # prompt lookup's best case at these row prices, replayed over the plain outputs (bench/lookup_ceiling.py)
+    ceilings = {}
+    if 1 in batches and "none" in modes:
+        extra, spec = cost.extras(1, args.ngram_k, SpecConfig.ngram_cost), llm.core.spec_cfg
+        for t in prompts:
+            base = rows[t, 1, "none"]
+            ceilings[t] = {lk: round(lookup_ceiling.ceiling(list(zip(base.prompts, base.outputs)), extra, args.ngram_k,
+                                                            spec.ngram_max, spec.ngram_min, lk), 2)
+                           for lk in ("latest", "any_match")}
     peer = []
     if args.peers == "transformers":
         try:
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
               "draft_kv_dtype": args.draft_kv_dtype, "k_draft": args.k, "k_ngram": args.ngram_k,
               "adaptive": args.adaptive, "auto_off": args.auto_off, "greedy_max_batch": args.greedy_max_batch,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "measured_row_cost": row_cost,
+              "ngram_ceiling": ceilings,
               "threads": args.threads, "prompts": {t: len(ps) for t, ps in prompts.items()},
               "prompt_tokens_mean": {t: round(sum(map(len, ps)) / len(ps)) for t, ps in prompts.items()},
               "torch": torch.__version__, "results": results, "transformers": peer}
@@ -261,6 +273,11 @@ def markdown(report: dict) -> str:
              "against plain decode in the same run; tokens_per_step per request. 1, 2, .. 8 proposals added "
              f"{report['measured_row_cost']} plain steps to a step (by batch size, as the engine measured them).", "",
              common.table(cols, [[r[c] for c in cols] for r in report["results"]])]
+    if report.get("ngram_ceiling"):
+        lines += ["", "Prompt lookup's ceiling at batch 1 (bench/lookup_ceiling.py: an oracle proposing exactly the "
+                  "lookup tokens greedy decoding then emits, at the row prices above, replayed over the plain "
+                  "outputs): " + "; ".join(f"{t} {c['latest']}x (the engine's lookup), {c['any_match']}x "
+                                           "(best of every earlier match)" for t, c in report["ngram_ceiling"].items())]
     peer = report.get("transformers") or []
     if peer and "error" in peer[0]:
         lines += ["", f"transformers: {peer[0]['error']}"]

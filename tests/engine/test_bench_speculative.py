@@ -17,6 +17,11 @@ def test_bench_speculative_every_mode_and_the_peer(tmp_path):
     assert {(p["task"], p["mode"]) for p in report["transformers"]} == \
         {(t, m) for t in ("grounded", "chat") for m in ("none", "ngram", "draft")}
     assert (tmp_path / report["files"]["md"]).is_file()
+    # prompt lookup's ceiling, replayed over the batch-1 plain outputs at the measured row prices
+    assert set(report["ngram_ceiling"]) == {"grounded", "chat"}
+    for c in report["ngram_ceiling"].values():
+        assert c["any_match"] > 0 and c["latest"] > 0
+    assert "ceiling" in (tmp_path / report["files"]["md"]).read_text()
 
 
 def test_bench_speculative_ngram_without_a_draft(tmp_path):
