@@ -20,7 +20,7 @@ import torch
 
 from kvwire import metrics
 from kvwire.engine.ngram import best_length, lookup_length, ngram_match, ngram_propose  # noqa: F401 - re-exported
-from kvwire.sampler import probabilities, sample, step_generator
+from kvwire.sampler import argmax, probabilities, sample, step_generator
 from kvwire.sampling_params import SamplingParams, SpeculativeMode
 
 _DRAFT_SALT = 0x5EC0_D4AF_7000  # separates the draft's proposal draws from the target's draws
@@ -55,14 +55,11 @@ def draft_generator(seed: int | None, step: int) -> torch.Generator:
 
 def accept_greedy(target_logits: torch.Tensor, proposed: Sequence[int]) -> list[int]:
     """target_logits: [k + 1, vocab] for [t, d_1..d_k] -> the emitted tokens (1..k + 1)."""
-    greedy = SamplingParams()
     out = []
-    for i, d in enumerate(proposed):
-        best = sample(target_logits[i], greedy, 0)  # the very argmax the plain decode path takes
+    for d, best in zip([*proposed, None], argmax(target_logits)):  # the very argmax plain decoding takes
         out.append(best)
         if best != d:
             return out
-    out.append(sample(target_logits[len(proposed)], greedy, 0))
     return out
 
 
@@ -99,7 +96,7 @@ def draft_sample(draft_logits: torch.Tensor, params: SamplingParams, step: int) 
     """The draft's proposal for generated token ``step`` and the distribution q it came from
     (None when greedy: the target then checks argmax equality and needs no q)."""
     if params.greedy:
-        return int(torch.argmax(draft_logits)), None
+        return argmax(draft_logits), None
     q = probabilities(draft_logits, params)  # [vocab]
     return int(torch.multinomial(q, 1, generator=draft_generator(params.seed, step))), q
 

@@ -69,3 +69,20 @@ def test_validate_refuses_non_finite_and_tiny_sampling_floats(field, value):
 @pytest.mark.parametrize("temperature", [0.0, MIN_TEMPERATURE, 0.7, 5.0])
 def test_validate_accepts_greedy_and_usable_temperatures(temperature):
     SamplingParams(temperature=temperature).validate()
+
+
+def test_argmax_is_torchs_choice_first_maximum_included():
+    """The greedy choice goes through numpy for fp32 CPU rows: it must be the index torch.argmax
+    gives, row by row, including the first of tied maxima (a different tie-break would change
+    greedy output, and speculative verification compares against it)."""
+    from kvwire.sampler import argmax
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, 49152, generator=g)
+    rows[3, 100] = rows[3, 4000] = rows[3].max() + 1.0  # a tie: 100 comes first
+    rows[5, -1] = rows[5].max() + 1.0  # the last index
+    assert argmax(rows) == [int(torch.argmax(r)) for r in rows]
+    assert argmax(rows)[3] == 100 and argmax(rows)[5] == 49151
+    assert argmax(rows[3]) == 100 and isinstance(argmax(rows[3]), int)
+    half = rows.to(torch.bfloat16)  # not numpy's: torch decides
+    assert argmax(half) == [int(torch.argmax(r)) for r in half]
+    assert sample(rows[3], SamplingParams(), 0) == 100
