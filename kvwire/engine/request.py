@@ -46,6 +46,8 @@ class Request:
     turned_off: int = 0  # times speculation was turned off for low acceptance
     turned_on: int = 0  # times it was turned back on (n-gram: shadow acceptance reached break-even)
     shadow: tuple[list[int], int] | None = None  # while off (n-gram): (lookup's proposal, its context index)
+    # the n-gram lookup's last answer: ((context length, max_n, min_n), (n, start)); a step asks up to three times
+    lookup: tuple[tuple[int, int, int], tuple[int, int]] | None = None
     finish_reason: FinishReason | None = None
     kv_source_used: str = ""  # "local" | "remote", once filled (for traces and tests)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed, not sent)

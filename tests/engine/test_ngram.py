@@ -105,3 +105,19 @@ def test_measured_price_is_used_by_greedy_ngram_requests_only():
     assert spec.row_costs(runner, _req(mode=SpeculativeMode.DRAFT), 1, cfg) == pytest.approx(_lin(0.6, 8))
     fixed = dataclasses.replace(cfg, measure_cost=False)
     assert spec.row_costs(runner, _req(), 1, fixed) == pytest.approx(_lin(0.3, 8))
+
+
+def test_a_steps_lookups_are_computed_once_per_context(monkeypatch):
+    """A draft head's request asks the lookup up to three times a step: one ngram_match per
+    context (and per lookup setting); a longer context is a new one."""
+    calls = []
+    real = spec.ngram_match
+    monkeypatch.setattr(spec, "ngram_match", lambda *a: calls.append(a) or real(*a))
+    cfg = spec.SpecConfig()
+    req = _req()
+    req.context = [1, 2, 3, 4, 5, 6, 7, 8, 40, 1, 2, 3, 4]
+    assert spec.lookup(req, cfg) == spec.lookup(req, cfg) == (4, 4)
+    assert len(calls) == 1
+    req.context.append(5)  # the step's token: a new context
+    assert spec.lookup(req, cfg) == (5, 5) and len(calls) == 2
+    assert spec.lookup(req, dataclasses.replace(cfg, ngram_max=2)) == (2, 5) and len(calls) == 3
