@@ -14,6 +14,9 @@ hits all alike; speedups are against plain decode of the same run. Batch b steps
 together (throughput). Acceptance rate = accepted / proposed tokens; proposed / accepted per
 spec step: per verification step; tokens per step = decode tokens / decode steps, per request;
 turned_off / turned_on = requests whose speculation turned itself off / back on (SpecConfig).
+With batch 1 and plain decoding in the run, the report adds prompt lookup's ceiling
+(bench/lookup_ceiling.py): the plain outputs replayed with an oracle that proposes exactly what
+greedy decoding then emits, at the row prices the engine measured in the run.
 Greedy requests speculate only in steps of at most ``--greedy-max-batch`` requests
 (SpecConfig.greedy_max_batch; 0 = any, to measure larger batches).
 
