@@ -45,6 +45,8 @@ def ceiling(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], extra: Sequenc
     to a plain step (extra[0] = 0, at least k + 1 entries) -> the oracle's speedup over plain decoding."""
     if len(extra) <= k:
         raise ValueError(f"extra needs {k + 1} prices, got {len(extra)}")
+    if lookup not in ("latest", "any_match"):
+        raise ValueError(f"lookup must be 'latest' or 'any_match', got {lookup!r}")
     tokens, cost = 0, 0.0
     for prompt, out in pairs:
         g = 1  # tokens of the output already there: the first came with the prompt

@@ -32,6 +32,8 @@ def test_any_match_finds_a_continuation_the_latest_match_misses():
     assert best == pytest.approx(3 / 1.2)  # 6, 7 proposed and accepted, then 3: one step
 
 
-def test_prices_must_cover_k():
+def test_prices_must_cover_k_and_the_lookup_must_be_known():
     with pytest.raises(ValueError, match="3 prices"):
         ceiling([([1], [1, 2])], [0.0, 0.1], k=2)
+    with pytest.raises(ValueError, match="lookup must be"):
+        ceiling([([1], [1, 2])], [0.0, 0.1, 0.2], k=2, lookup="best")
