@@ -43,7 +43,7 @@ LEVELS = {"x86-64-v4-vnni-bf16-amx": _BF16 + ("amx_tile", "amx_int8"), "x86-64-v
 MARCH = {"x86-64-v4-vnni-bf16-amx": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"],
          "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # where not -march=LEVEL
          "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}
-ABI_VERSION = 6
+ABI_VERSION = 7
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -62,7 +62,9 @@ SIGNATURES = {
     "kvw_linear_bf16a16": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
+    "kvw_draft_head": [P, I32, P, P, P, I64, P, P, I64, I64, I64, F32, I64, P, P, P, I64, F32, P, P, I32],
 }
+RESTYPES = {"kvw_draft_head": I64}
 WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C file's WT_* codes
 WT_I8A8 = 3  # int8 weights x int8 activations (blocks of 32), AVX512-VNNI builds only
 WT_I8A8_PACKED = 4  # the same, weights as pack_i8a8 lays them out (kvw_gemm_i8a8)
@@ -78,6 +80,11 @@ class LayerDesc(ctypes.Structure):
     """kvw_layer_t: one transformer block's weights for kvw_decode_layers."""
     _fields_ = [("attn_norm", P), ("mlp_norm", P), ("qkv", LinearDesc), ("o", LinearDesc),
                 ("gate_up", LinearDesc), ("down", LinearDesc), ("window", I64)]
+
+
+class HeadBlockDesc(ctypes.Structure):
+    """kvw_head_block_t: one block of a draft head (kvwire.model.draft_head.HeadBlock) for kvw_draft_head."""
+    _fields_ = [("norm", P), ("gate_up", LinearDesc), ("down", LinearDesc)]
 
 unavailable_reason: str | None = None
 
@@ -169,7 +176,7 @@ def library() -> ctypes.CDLL | None:
             raise RuntimeError("stale kernel library (ABI version mismatch)")
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, None
+            fn.argtypes, fn.restype = args, RESTYPES.get(name)
         lib.kvw_has_vnni.argtypes, lib.kvw_has_vnni.restype = [], ctypes.c_int
         lib.kvw_has_bf16.argtypes, lib.kvw_has_bf16.restype = [], ctypes.c_int
         lib.kvw_set_amx.argtypes, lib.kvw_set_amx.restype = [ctypes.c_int], ctypes.c_int

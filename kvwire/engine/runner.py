@@ -23,6 +23,7 @@ from kvwire.engine.speculative import draft_sample
 from kvwire.engine.step_cost import StepCost
 from kvwire.kv.wire import DecodedChunk
 from kvwire.model.draft_head import DraftHead
+from kvwire.model.fast_head import FastHead
 from kvwire.runtime import Runtime
 from kvwire.sampling_params import SamplingParams
 
@@ -45,6 +46,8 @@ class ModelRunner:
         self.features: dict[int, torch.Tensor] = {}
         self._hidden: dict[int, torch.Tensor] = {}
         self._head_seconds: tuple[float, int] = (0.0, 0)  # running mean of one chained head call, calls
+        # greedy chains in one C call where the kernels read the head's layers (kvwire.model.fast_head)
+        self.fast_head = FastHead.build(self.head) if self.head is not None else None
         # seq -> (its length before, tokens fed) in the last multi-token step: what ``keep`` rolls back
         self._starts: dict[int, tuple[int, int]] = {}
         self.step_cost = StepCost()  # what a verification row costs here, from ``step``'s timings
@@ -190,6 +193,12 @@ class ModelRunner:
         its proposals' confidences (the head's probability of its top token) is below ``stop_below``:
         the next one would be accepted too rarely to be worth its row."""
         feats = torch.stack([self.features[s] for s in seqs])  # [S, hidden]
+        if self.fast_head is not None and all(p.greedy for p in params):
+            t0 = time.perf_counter()
+            props, confs, calls = self.fast_head(feats, [ctx[-1] for ctx in contexts], list(ks), stop_below)
+            if calls:
+                self._time_head((time.perf_counter() - t0) / calls)
+            return [(p, None, c) for p, c in zip(props, confs)]
         toks = torch.tensor([ctx[-1] for ctx in contexts])  # [S]
         props: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -199,9 +208,7 @@ class ModelRunner:
         while active:
             t0 = time.perf_counter()
             feats, small = self.head(feats, toks)  # [A, hidden], [A, head_vocab]
-            mean, n = self._head_seconds
-            n += 1
-            self._head_seconds = (mean + max(self.step_cost.weight, 1.0 / n) * (time.perf_counter() - t0 - mean), n)
+            self._time_head(time.perf_counter() - t0)
             top, arg = torch.softmax(small, dim=-1).max(-1)
             best = self.head.head_vocab[arg].tolist()  # greedy proposals: no full-vocab row
             for j, i in enumerate(active):
@@ -218,6 +225,12 @@ class ModelRunner:
             active = [active[j] for j in more]
             feats, toks = feats[more], torch.tensor([props[i][-1] for i in active], dtype=torch.int64)
         return [(p, torch.stack(q) if q else None, c) for p, q, c in zip(props, qs, confs)]
+
+    def _time_head(self, seconds: float) -> None:
+        """One chained head call took ``seconds``: into the running mean ``head_cost`` reads."""
+        mean, n = self._head_seconds
+        n += 1
+        self._head_seconds = (mean + max(self.step_cost.weight, 1.0 / n) * (seconds - mean), n)
 
     def draft_truncate(self, seq: int, length: int) -> None:
         """Keep at most ``length`` tokens of the draft's KV for ``seq`` (rejected proposals go)."""

@@ -1124,4 +1124,90 @@ void kvw_decode_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, 
     free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(gu); free(act);
 }
 
-int kvw_abi_version(void) { return 6; }
+/* ---- a draft head's greedy proposals in one call ---------------------------------------------- */
+
+typedef struct {
+    const float *norm;  /* [hidden] */
+    kvw_linear_t gate_up, down;
+} kvw_head_block_t;
+
+/* The greedy chain of kvwire/model/draft_head.py's DraftHead, as ModelRunner._propose_head runs it,
+ * for S sequences at once without going back to Python between proposals (right after a target
+ * step every torch op starts on cold caches, 0.1-0.2 ms apiece). Per proposal, over the sequences
+ * still drafting:
+ *   x = fc([feature | rms_norm(embed[tok]) * tok_norm]); per block x += down(silu_mul(gate_up(rms_norm(x))));
+ *   logits = head(x)[:head_vocab_n]; tok = head_vocab[argmax] (the first of tied maxima);
+ *   conf = softmax's top probability = 1 / sum(exp(logits - max)); feature = x.
+ * Sequence i drafts until it has k[i] (<= kmax) proposals or the product of its confidences is below
+ * stop_below. Writes out_tok / out_conf [S, kmax] (-1 / 0 past a sequence's proposals) and returns
+ * the head evaluations made (the longest chain). embed: [vocab, hidden], fp32 or (embed_bf16) bf16. */
+int64_t kvw_draft_head(const void *embed, int embed_bf16, const float *tok_norm, const kvw_linear_t *fc,
+                       const kvw_head_block_t *blocks, int64_t num_blocks, const kvw_linear_t *head,
+                       const int64_t *head_vocab, int64_t head_vocab_n, int64_t hidden, int64_t inter, float eps,
+                       int64_t S, const float *feat, const int64_t *tok, const int64_t *k, int64_t kmax,
+                       float stop_below, int64_t *out_tok, float *out_conf, int nthreads) {
+    float *cat = malloc(sizeof(float) * S * 2 * hidden), *x = malloc(sizeof(float) * S * hidden);
+    float *hbuf = malloc(sizeof(float) * S * hidden), *gu = malloc(sizeof(float) * S * 2 * inter);
+    float *act = malloc(sizeof(float) * S * inter), *logits = malloc(sizeof(float) * S * head->out);
+    float *erow = malloc(sizeof(float) * hidden);
+    double *reach = malloc(sizeof(double) * S);
+    int64_t *seq = malloc(sizeof(int64_t) * S), *cur = malloc(sizeof(int64_t) * S), *cnt = calloc(S, sizeof(int64_t));
+    int64_t A = 0, calls = 0;
+    for (int64_t i = 0; i < S * kmax; i++) { out_tok[i] = -1; out_conf[i] = 0.0f; }
+    for (int64_t i = 0; i < S; i++) {
+        reach[i] = 1.0;
+        if (k[i] <= 0) continue;
+        memcpy(cat + A * 2 * hidden, feat + i * hidden, sizeof(float) * hidden);
+        seq[A] = i, cur[A] = tok[i], A++;
+    }
+    while (A > 0) {
+        calls++;
+        for (int64_t a = 0; a < A; a++) {
+            if (embed_bf16) {
+                const uint16_t *row = (const uint16_t *)embed + cur[a] * hidden;
+                for (int64_t j = 0; j < hidden; j++) erow[j] = bf16_to_f32(row[j]);
+            } else {
+                memcpy(erow, (const float *)embed + cur[a] * hidden, sizeof(float) * hidden);
+            }
+            kvw_rms_norm(erow, 1, hidden, tok_norm, eps, cat + a * 2 * hidden + hidden);
+        }
+        run_linear(fc, cat, A, x, NULL, nthreads);
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const kvw_head_block_t *B = blocks + b;
+            kvw_rms_norm(x, A, hidden, B->norm, eps, hbuf);
+            run_linear(&B->gate_up, hbuf, A, gu, NULL, nthreads);
+            kvw_silu_mul(gu, A, inter, act);
+            run_linear(&B->down, act, A, x, x, nthreads);
+        }
+        run_linear(head, x, A, logits, NULL, nthreads);
+        int64_t next = 0;
+        for (int64_t a = 0; a < A; a++) {
+            const float *l = logits + a * head->out;
+            int64_t j = 0, best = 0;
+            f32x16 vm = splat(-INFINITY);
+            for (; j + 16 <= head_vocab_n; j += 16) { const f32x16 v = load_f32(l + j); vm = vsel(v > vm, v, vm); }
+            float m = hmax(vm);
+            for (; j < head_vocab_n; j++) m = l[j] > m ? l[j] : m;
+            while (l[best] != m) best++;  /* the first of tied maxima */
+            f32x16 vs = splat(0.0f);
+            for (j = 0; j + 16 <= head_vocab_n; j += 16) vs += exp_nonpos(load_f32(l + j) - m);
+            double sum = 0;
+            for (int i = 0; i < 16; i++) sum += vs[i];
+            for (; j < head_vocab_n; j++) sum += expf(l[j] - m);
+            const int64_t i = seq[a], n = cnt[i]++;
+            const float conf = (float)(1.0 / sum);
+            out_tok[i * kmax + n] = head_vocab[best], out_conf[i * kmax + n] = conf;
+            reach[i] *= conf;
+            if (cnt[i] < k[i] && cnt[i] < kmax && reach[i] >= stop_below) {  /* drafts on from its own prediction */
+                memcpy(cat + next * 2 * hidden, x + a * hidden, sizeof(float) * hidden);
+                seq[next] = i, cur[next] = head_vocab[best], next++;
+            }
+        }
+        A = next;
+    }
+    free(cat); free(x); free(hbuf); free(gu); free(act); free(logits); free(erow); free(reach);
+    free(seq); free(cur); free(cnt);
+    return calls;
+}
+
+int kvw_abi_version(void) { return 7; }

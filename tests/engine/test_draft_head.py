@@ -154,6 +154,44 @@ def test_the_heads_confidence_sizes_the_proposal_and_a_long_quote_wins():
         == ([5, 6, 7, 8], None)
 
 
+@pytest.mark.parametrize("weights", [QuantMode.NONE, QuantMode.BF16, QuantMode.INT8])
+def test_the_c_chain_proposes_what_the_torch_chain_does(pair, weights):
+    """kvwire.model.fast_head against ModelRunner's torch chain, on the target's real hidden states:
+    the same tokens, confidences and chain lengths (the stop rule and each sequence's k). fp32
+    layers: exact up to the norms' last bits; int8 and bf16 (where the C side rounds activations to
+    bf16, as the fused decode step does): those last bits can move an activation across a rounding
+    step, so near ties (this random head's are close) may go either way."""
+    from kvwire.engine.runner import ModelRunner
+    from kvwire_kernels import cpu
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason)
+    target, head, _ = pair
+    rt = load_engine(EngineConfig(model_dir=target, weights=weights, num_pages=64))
+    runner = ModelRunner(rt, 64, load_for_target(head, rt, weights))
+    assert runner.fast_head is not None
+    tokens = torch.randint(3, rt.model_config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
+    positions = runner.cache.prepare([0], [48])
+    rt.model(tokens, positions, runner.cache)
+    seqs = list(range(48))
+    runner.features = dict(zip(seqs, rt.model.last_hidden))
+    ks = [1 + i % 5 for i in seqs]
+    args = (seqs, [[int(t)] for t in tokens], ks, [SamplingParams()] * 48, [0] * 48)
+    for stop in (0.0, 0.25):
+        fast = runner._propose_head(*args, stop_below=stop)
+        fast_head, runner.fast_head = runner.fast_head, None
+        torch_chain = runner._propose_head(*args, stop_below=stop)
+        runner.fast_head = fast_head
+        same = [f[0] == t[0] for f, t in zip(fast, torch_chain)]
+        assert all(len(p) == k for (p, _, _), k in zip(fast, ks)) if stop == 0.0 else \
+            all(1 <= len(p) <= k for (p, _, _), k in zip(fast, ks))
+        if weights is not QuantMode.NONE:
+            assert sum(same) >= 0.8 * len(same)
+            continue
+        assert all(same), [(f, t) for f, t in zip(fast, torch_chain) if f[0] != t[0]]
+        for (_, q, conf), (_, _, want) in zip(fast, torch_chain):
+            assert q is None and conf == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
 def test_warm_up_prices_a_head_proposal(pair):
     from kvwire.engine.runner import ModelRunner
     target, head, _ = pair
