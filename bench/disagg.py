@@ -5,10 +5,10 @@
 
 For each KV dtype (fp8_e4m3, bf16) the three services start as real processes on loopback with the
 model (the embedded one by default; any model directory, GGUF or registered name); each prompt length
-is sent `repeats` times, one request at a time, timing every streamed message at the client: to
+is sent in `repeats` rounds, one request at a time, timing every streamed message at the client: to
 decode_svc's GenerateTokens with the prompt prefilled on prefill_svc (``served``: the page stream),
 inside decode_svc (``served_local_prefill``) and where decode_svc's policy puts it
-(``served_default``: kv_source unset), and as text through the front door (tokenizer_svc). The same prompts then run
+(``served_default``: kv_source unset), and as text through the front door (tokenizer_svc). The same prompts also run
 in-process through the public engine API (``kvwire.LLM.stream``: same model, weights, KV settings
 and paged cache, no server) in this process: once with this process's threads (all usable cores)
 and once with decode_svc's share of the cores (tools/stack.py splits them between prefill_svc and
@@ -17,7 +17,9 @@ threads each service computed with before lending. ``--speculative`` sets the de
 of both (decode_svc's flag and the LLM's); a draft model is loaded only with ``--speculative
 draft``. Then ``--concurrency`` different prompts go at once, through the services and through the
 in-process engine (batched, ``LLM.generate``): output tok/s of the same workload. The KV bytes per
-prompt token come from a direct Prefill call (every chunk's bytes, scales included).
+prompt token come from a direct Prefill call (every chunk's bytes, scales included). Each round
+runs every column once, served and in-process alternating, so a machine that slows down for a
+while (a shared host's neighbours) slows every column alike instead of one block of repeats.
 Writes bench/out/disagg-<model>-<stamp>.{json,md}.
 """
 from __future__ import annotations
@@ -178,15 +180,16 @@ def main(argv: list[str] | None = None) -> dict:
             for n, ids in prompts.items():
                 asyncio.run(served(stack.addr("decode_svc"), ids, 4))  # warm the path
                 in_process(llm, ids, 4)
-                srv = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen)) for _ in range(args.repeats)]
-                loc = [in_process(llm, ids, args.gen) for _ in range(args.repeats)]
-                same = in_process_with_threads(llm, ids, args.gen, args.repeats, svc_threads)
-                here = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen, pb.KV_SOURCE_LOCAL))
-                        for _ in range(args.repeats)]
-                auto = [asyncio.run(served(stack.addr("decode_svc"), ids, args.gen, pb.KV_SOURCE_UNSPECIFIED))
-                        for _ in range(args.repeats)]
-                fd = statistics.median(asyncio.run(front_door(stack.addr("tokenizer_svc"), tok.decode(ids), args.gen))
-                                       for _ in range(args.repeats))
+                srv, loc, same, here, auto, fds = [], [], [], [], [], []
+                for _ in range(args.repeats):  # rounds: the machine's drift hits every column alike
+                    srv.append(asyncio.run(served(stack.addr("decode_svc"), ids, args.gen)))
+                    loc.append(in_process(llm, ids, args.gen))
+                    same += in_process_with_threads(llm, ids, args.gen, 1, svc_threads)
+                    here.append(asyncio.run(served(stack.addr("decode_svc"), ids, args.gen, pb.KV_SOURCE_LOCAL)))
+                    auto.append(asyncio.run(served(stack.addr("decode_svc"), ids, args.gen,
+                                                   pb.KV_SOURCE_UNSPECIFIED)))
+                    fds.append(asyncio.run(front_door(stack.addr("tokenizer_svc"), tok.decode(ids), args.gen)))
+                fd = statistics.median(fds)
                 nbytes = asyncio.run(kv_bytes(stack.addr("prefill_svc"), ids))
                 row = {"kv": kv, "prompt_tokens": len(ids), "served": summarize(srv), "in_process": summarize(loc),
                        "in_process_service_threads": summarize(same), "service_threads": svc_threads,
@@ -196,9 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
                 print(json.dumps(row), flush=True)
             if batch and len(batch[-1]) == m:
                 asyncio.run(served_concurrent(stack.addr("decode_svc"), batch[:2], 4))  # warm
-                srv = [asyncio.run(served_concurrent(stack.addr("decode_svc"), batch, args.gen))
-                       for _ in range(args.repeats)]
-                loc = [in_process_concurrent(llm, batch, args.gen) for _ in range(args.repeats)]
+                srv, loc = [], []
+                for _ in range(args.repeats):
+                    srv.append(asyncio.run(served_concurrent(stack.addr("decode_svc"), batch, args.gen)))
+                    loc.append(in_process_concurrent(llm, batch, args.gen))
                 concurrent.append({"kv": kv, "requests": len(batch), "prompt_tokens": m,
                                    "served_tok_s": statistics.median(srv), "in_process_tok_s": statistics.median(loc)})
                 print(json.dumps(concurrent[-1]), flush=True)
