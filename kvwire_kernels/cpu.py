@@ -62,7 +62,7 @@ SIGNATURES = {
     "kvw_linear_bf16a16": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
-    "kvw_draft_head": [P, I32, P, P, P, I64, P, P, I64, I64, I64, F32, I64, P, P, P, I64, F32, P, P, I32],
+    "kvw_draft_head": [P, I32, P, P, P, I64, P, P, I64, I64, I64, F32, I64, P, P, P, I64, F32, P, P, P, P, I32],
 }
 RESTYPES = {"kvw_draft_head": I64}
 WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C file's WT_* codes

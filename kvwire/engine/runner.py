@@ -207,7 +207,8 @@ class ModelRunner:
         active = list(range(len(seqs)))
         while active:
             t0 = time.perf_counter()
-            feats, small = self.head(feats, toks)  # [A, hidden], [A, head_vocab]
+            head = self.head if self.fast_head is None else self.fast_head.forward
+            feats, small = head(feats, toks)  # [A, hidden], [A, head_vocab]
             self._time_head(time.perf_counter() - t0)
             top, arg = torch.softmax(small, dim=-1).max(-1)
             best = self.head.head_vocab[arg].tolist()  # greedy proposals: no full-vocab row

@@ -20,7 +20,7 @@ import torch
 
 from kvwire import metrics
 from kvwire.engine.ngram import best_length, lookup_length, ngram_match, ngram_propose  # noqa: F401 - re-exported
-from kvwire.sampler import argmax, probabilities, sample, step_generator
+from kvwire.sampler import argmax, draw, probabilities, sample, step_generator
 from kvwire.sampling_params import SamplingParams, SpeculativeMode
 
 _DRAFT_SALT = 0x5EC0_D4AF_7000  # separates the draft's proposal draws from the target's draws
@@ -86,7 +86,7 @@ def accept_sampled(target_logits: torch.Tensor, proposed: Sequence[int], draft_p
         # Rejection has probability sum(residual); a zero residual means rounding rejected a sure
         # acceptance, and p itself is then the right distribution.
         residual = residual / total if total > 0 else p
-        out.append(int(torch.multinomial(residual, 1, generator=g)))
+        out.append(draw(residual, g))
         return out
     out.append(sample(target_logits[len(proposed)], params, first_step + len(proposed)))
     return out
@@ -98,7 +98,7 @@ def draft_sample(draft_logits: torch.Tensor, params: SamplingParams, step: int) 
     if params.greedy:
         return argmax(draft_logits), None
     q = probabilities(draft_logits, params)  # [vocab]
-    return int(torch.multinomial(q, 1, generator=draft_generator(params.seed, step))), q
+    return draw(q, draft_generator(params.seed, step)), q
 
 
 def adapt_k(k: int, proposed: int, accepted: int, k_max: int) -> int:

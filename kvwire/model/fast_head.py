@@ -7,7 +7,8 @@ after a target step has streamed its weights through the caches, each of those o
 about 1 ms, a sixth of a plain SmolLM2 step. ``FastHead`` runs the same chain in C: the same
 matmul kernels on the same weights (``fast_decode.linear_desc``), the C RMSNorm and SiLU the fused
 decode step uses, the argmax and softmax's top probability computed over the head vocabulary.
-Greedy only (sampling needs the full distribution q of every proposal; it keeps the torch path).
+A sampling chain draws each proposal in Python (from the full distribution q, with the request's
+generator) and calls ``forward``, one C call per proposal.
 
 Numerics: the matmuls are the very ones the torch path calls; the norms are the C step's, which
 differ from ``F.rms_norm`` in the last bits, so on a near tie the two paths may propose different
@@ -57,11 +58,8 @@ class FastHead:
         fc, out = linear_desc(head.fc, keep), linear_desc(head.head, keep)
         return None if fc is None or out is None else cls(lib, head, fc, blocks, out, keep)
 
-    def __call__(self, features: torch.Tensor, tokens: list[int], ks: list[int],
-                 stop_below: float) -> tuple[list[list[int]], list[list[float]], int]:
-        """features: [S, hidden] (each sequence's f_t), tokens: [S] (its pending token), ks: at most
-        this many proposals each. Returns (proposals, their confidences) per sequence and the head
-        evaluations made (the longest chain): what ``_propose_head`` computes for greedy requests."""
+    def _run(self, features: torch.Tensor, tokens: list[int], ks: list[int], stop_below: float,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None):
         S, kmax = len(tokens), max(ks, default=0)
         feats = features.float().contiguous()  # [S, hidden]
         toks = torch.tensor(tokens, dtype=torch.int64)
@@ -72,10 +70,29 @@ class FastHead:
             self.embed.data_ptr(), int(self.embed.dtype == torch.bfloat16), self.tok_norm.data_ptr(),
             ctypes.byref(self.fc), self.blocks, len(self.blocks), ctypes.byref(self.out), self.vocab.data_ptr(),
             self.vocab.shape[0], self.hidden, self.inter, self.eps, S, feats.data_ptr(), toks.data_ptr(),
-            k.data_ptr(), kmax, stop_below, out_tok.data_ptr(), out_conf.data_ptr(), torch.get_num_threads())
+            k.data_ptr(), kmax, stop_below, out_tok.data_ptr(), out_conf.data_ptr(),
+            None if out is None else out[0].data_ptr(), None if out is None else out[1].data_ptr(),
+            torch.get_num_threads())
+        return out_tok, out_conf, int(calls)
+
+    def __call__(self, features: torch.Tensor, tokens: list[int], ks: list[int],
+                 stop_below: float) -> tuple[list[list[int]], list[list[float]], int]:
+        """features: [S, hidden] (each sequence's f_t), tokens: [S] (its pending token), ks: at most
+        this many proposals each. Returns (proposals, their confidences) per sequence and the head
+        evaluations made (the longest chain): what ``_propose_head`` computes for greedy requests."""
+        out_tok, out_conf, calls = self._run(features, tokens, ks, stop_below)
         props, confs = [], []
         for t, c in zip(out_tok.tolist(), out_conf.tolist()):
             n = next((j for j, x in enumerate(t) if x < 0), len(t))
             props.append(t[:n])
             confs.append(c[:n])
-        return props, confs, int(calls)
+        return props, confs, calls
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``DraftHead.forward`` in one C call (for a chain that samples each proposal in Python):
+        features [S, hidden], tokens [S] -> (f^_{t+1} [S, hidden], logits over the head vocabulary
+        [S, head_vocab] fp32)."""
+        S = tokens.shape[0]
+        x, logits = torch.empty(S, self.hidden), torch.empty(S, self.out.out_features)
+        self._run(features, tokens.tolist(), [1] * S, 0.0, (x, logits))
+        return x, logits[:, :self.vocab.shape[0]]

@@ -1140,12 +1140,16 @@ typedef struct {
  *   conf = softmax's top probability = 1 / sum(exp(logits - max)); feature = x.
  * Sequence i drafts until it has k[i] (<= kmax) proposals or the product of its confidences is below
  * stop_below. Writes out_tok / out_conf [S, kmax] (-1 / 0 past a sequence's proposals) and returns
- * the head evaluations made (the longest chain). embed: [vocab, hidden], fp32 or (embed_bf16) bf16. */
+ * the head evaluations made (the longest chain). embed: [vocab, hidden], fp32 or (embed_bf16) bf16.
+ * out_x [S, hidden] and out_logits [S, head->out], when not NULL, receive the first evaluation's
+ * predicted hidden states and head logits, rows of the sequences with k[i] > 0 in order (one step
+ * for a caller that samples: k all 1). */
 int64_t kvw_draft_head(const void *embed, int embed_bf16, const float *tok_norm, const kvw_linear_t *fc,
                        const kvw_head_block_t *blocks, int64_t num_blocks, const kvw_linear_t *head,
                        const int64_t *head_vocab, int64_t head_vocab_n, int64_t hidden, int64_t inter, float eps,
                        int64_t S, const float *feat, const int64_t *tok, const int64_t *k, int64_t kmax,
-                       float stop_below, int64_t *out_tok, float *out_conf, int nthreads) {
+                       float stop_below, int64_t *out_tok, float *out_conf, float *out_x, float *out_logits,
+                       int nthreads) {
     float *cat = malloc(sizeof(float) * S * 2 * hidden), *x = malloc(sizeof(float) * S * hidden);
     float *hbuf = malloc(sizeof(float) * S * hidden), *gu = malloc(sizeof(float) * S * 2 * inter);
     float *act = malloc(sizeof(float) * S * inter), *logits = malloc(sizeof(float) * S * head->out);
@@ -1180,6 +1184,10 @@ int64_t kvw_draft_head(const void *embed, int embed_bf16, const float *tok_norm,
             run_linear(&B->down, act, A, x, x, nthreads);
         }
         run_linear(head, x, A, logits, NULL, nthreads);
+        if (calls == 1 && out_x != NULL) {  /* every sequence is in the first evaluation, in order */
+            memcpy(out_x, x, sizeof(float) * A * hidden);
+            memcpy(out_logits, logits, sizeof(float) * A * head->out);
+        }
         int64_t next = 0;
         for (int64_t a = 0; a < A; a++) {
             const float *l = logits + a * head->out;

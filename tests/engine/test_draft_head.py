@@ -192,6 +192,26 @@ def test_the_c_chain_proposes_what_the_torch_chain_does(pair, weights):
             assert q is None and conf == pytest.approx(want, rel=1e-4, abs=1e-6)
 
 
+def test_one_c_head_evaluation_equals_the_heads_forward(pair):
+    """FastHead.forward (what a sampling chain calls per proposal) against DraftHead.forward, fp32."""
+    from kvwire.model.fast_head import FastHead
+    from kvwire_kernels import cpu
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason)
+    target, head, _ = pair
+    rt = load_engine(EngineConfig(model_dir=target, weights=QuantMode.NONE))
+    h = load_for_target(head, rt, QuantMode.NONE)
+    fast = FastHead.build(h)
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(5, h.cfg.hidden_size, generator=g)
+    toks = torch.randint(0, h.cfg.vocab_size, (5,), generator=g)
+    x, logits = fast.forward(feats, toks)
+    want_x, want_logits = h(feats, toks)
+    assert logits.shape == want_logits.shape == (5, h.cfg.head_vocab)
+    torch.testing.assert_close(x, want_x, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_warm_up_prices_a_head_proposal(pair):
     from kvwire.engine.runner import ModelRunner
     target, head, _ = pair

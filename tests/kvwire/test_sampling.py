@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.sampler import probabilities, sample
+from kvwire import sampler
+from kvwire.sampler import draw, probabilities, sample
 from kvwire.errors import InvalidRequest
 from kvwire.sampling_params import MIN_TEMPERATURE, SamplingParams
 
@@ -56,6 +57,31 @@ def test_samples_follow_the_distribution():
     expected = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05]) * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 18.47, (counts, chi2)
+
+
+def test_draw_follows_unnormalised_weights_and_never_draws_a_zero():
+    # Chi-square as above, over weights that do not sum to 1 and hold zeros (a residual, top-p's tail).
+    weights = torch.tensor([0.0, 0.8, 0.5, 0.0, 0.2, 0.1, 0.0])
+    g = torch.Generator().manual_seed(3)
+    counts = torch.zeros(7)
+    for _ in range(4000):
+        counts[draw(weights, g)] += 1
+    assert counts[weights == 0].sum() == 0
+    expected = weights[weights > 0] / weights.sum() * 4000
+    chi2 = float(((counts[weights > 0] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (counts, chi2)  # df=3, p=0.001
+
+
+def test_draw_at_the_top_of_the_range_takes_the_last_positive_weight(monkeypatch):
+    # A uniform just below 1 times the total can round up to the total itself: past every entry.
+    monkeypatch.setattr(sampler.torch, "rand", lambda *a, **kw: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(torch.tensor([0.3, 0.7, 0.0, 0.0]), torch.Generator()) == 1
+
+
+@pytest.mark.parametrize("weights", [[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]])
+def test_draw_refuses_weights_it_cannot_sample(weights):
+    with pytest.raises(ValueError, match="cannot sample"):
+        draw(torch.tensor(weights), torch.Generator())
 
 
 @pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")),
