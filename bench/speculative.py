@@ -9,7 +9,10 @@ so the numbers isolate decoding: the first step admits and prefills the prompts 
 would ship) and is not timed; the decode steps after it are (drafting included). Prompt sets
 (bench/prompts_spec.py): grounded (code editing, quoting from and summarizing a pasted document)
 and free chat. Greedy, stopping at EOS or ``--max-tokens``; every mode must produce plain greedy's
-tokens (checked and reported). Each mode runs on the same prompts interleaved, so machine noise
+tokens (checked and reported). ``--temperature T`` samples instead (``--seeded``: each prompt with
+a seed of its own, which makes speculation ignore the batch): speculation keeps plain sampling's
+distribution, not its tokens, so outputs are not compared, and neither the lookup ceiling nor the
+transformers peer (greedy) is run. Each mode runs on the same prompts interleaved, so machine noise
 hits all alike; speedups are against plain decode of the same run. Batch b steps b requests
 together (throughput). Acceptance rate = accepted / proposed tokens; proposed / accepted per
 spec step: per verification step; tokens per step = decode tokens / decode steps, per request;
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,10 +100,13 @@ class Row:
 
 
 def decode(llm: LLM, timers: dict[str, Timer], row: Row, prompts: list[list[int]], mode: str, k: int,
-           max_tokens: int) -> None:
-    """Run ``prompts`` as one batch; add the decode-phase counts to ``row``."""
-    params = SamplingParams(max_tokens=max_tokens, speculative=mode, num_speculative_tokens=k or None)
-    reqs = [llm.core.requests[llm.add_request(p, params)] for p in prompts]  # counters outlive the request
+           max_tokens: int, temperature: float = 0.0, seeded: bool = False) -> None:
+    """Run ``prompts`` as one batch; add the decode-phase counts to ``row``. With a temperature and
+    ``seeded``, each prompt samples with a seed of its own (the same in every mode and repeat)."""
+    def params(p: list[int]) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, speculative=mode, num_speculative_tokens=k or None,
+                              temperature=temperature, seed=zlib.crc32(repr(p).encode()) if seeded else None)
+    reqs = [llm.core.requests[llm.add_request(p, params(p))] for p in prompts]  # counters outlive the request
     llm.step()  # admission + local prefill: the first tokens, not timed
     for t in timers.values():
         t.seconds = 0.0
@@ -189,6 +196,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=6, help="prompts per task")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (outputs checked against plain); above: sampling (distributions match "
+                         "plain, tokens do not; no ceiling, no peer)")
+    ap.add_argument("--seeded", action="store_true",
+                    help="with --temperature: a seed per prompt (speculation then ignores the batch: "
+                         "SamplingParams.batch_aware); default unseeded, as most clients send")
     ap.add_argument("--repeats", type=int, default=1, help="run every group this many times (less noise)")
     ap.add_argument("--context", type=int, default=400, help="grounded: tokens of pasted document at most")
     ap.add_argument("--peers", default="transformers", help="'transformers' or '' (none)")
@@ -218,22 +231,26 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     rows = {(t, b, m): Row(t, b, m) for t in prompts for b in batches for m in modes}
     for m in modes:  # one untimed warm-up decode per mode
-        decode(llm, timers, Row("warm", 1, m), [prompts[next(iter(prompts))][0]], m, k_of[m], 8)
+        decode(llm, timers, Row("warm", 1, m), [prompts[next(iter(prompts))][0]], m, k_of[m], 8, args.temperature,
+               args.seeded)
     plan = [(t, b, group) for _ in range(args.repeats) for t in prompts for b in batches
             for group in batches_of(prompts[t], b)]
     with tqdm(total=len(plan) * len(modes), desc="decoding", unit="run") as bar:
         for t, b, group in plan:
             for m in modes:  # modes interleaved per group: machine noise hits all alike
-                decode(llm, timers, rows[t, b, m], group, m, k_of[m], args.max_tokens)
+                decode(llm, timers, rows[t, b, m], group, m, k_of[m], args.max_tokens, args.temperature,
+                       args.seeded)
                 bar.update(1)
     results = [rows[t, b, m].summary(None if m == "none" else rows[t, b, "none"])
                for t in prompts for b in batches for m in modes]
+    if args.temperature:  # sampled: the same distribution as plain, not the same tokens
+        results = [{**r, "identical_to_none": None} for r in results]
     # what 1, 2, .. proposals of one request added to a step, in its plain steps, as the engine measured (StepCost)
     cost = llm.core.runner.step_cost
     row_cost = {b: [None if (c := cost.extra(b, i)) is None else round(c, 2) for i in range(1, 9)] for b in batches}
     # prompt lookup's best case at these row prices, replayed over the plain outputs (bench/lookup_ceiling.py)
     ceilings = {}
-    if 1 in batches and "none" in modes:
+    if 1 in batches and "none" in modes and not args.temperature:
         extra, spec = cost.extras(1, args.ngram_k, SpecConfig.ngram_cost), llm.core.spec_cfg
         for t in prompts:
             base = rows[t, 1, "none"]
@@ -241,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                             spec.ngram_max, spec.ngram_min, lk), 2)
                            for lk in ("latest", "any_match")}
     peer = []
-    if args.peers == "transformers":
+    if args.peers == "transformers" and not args.temperature:
         try:
             eos = sorted(llm.core.eos_ids)
             # transformers' assisted generation takes a draft model, not a head on the target's states
@@ -254,7 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
               "draft": str(draft) if draft else None, "weights": args.weights, "kv_dtype": args.kv_dtype,
               "draft_kv_dtype": args.draft_kv_dtype, "k_draft": args.k, "k_ngram": args.ngram_k,
               "adaptive": args.adaptive, "auto_off": args.auto_off, "greedy_max_batch": args.greedy_max_batch,
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "measured_row_cost": row_cost,
+              "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "seeded": bool(args.temperature and args.seeded), "repeats": args.repeats,
+              "measured_row_cost": row_cost,
               "ngram_ceiling": ceilings,
               "threads": args.threads, "prompts": {t: len(ps) for t, ps in prompts.items()},
               "prompt_tokens_mean": {t: round(sum(map(len, ps)) / len(ps)) for t, ps in prompts.items()},
@@ -267,7 +286,10 @@ def markdown(report: dict) -> str:
     cols = ["task", "batch", "mode", "tok_s", "speedup", "acceptance_rate", "proposed_per_spec_step",
             "accepted_per_spec_step", "tokens_per_step", "turned_off",
             "turned_on", "ms_per_step", "draft_ms_per_step", "target_ms_per_step", "identical_to_none"]
-    lines = [f"Model {report['model']}, {report['weights']} weights, KV {report['kv_dtype']}, greedy, up to "
+    t = report.get("temperature", 0.0)
+    how = (f"sampled at temperature {t} ({'a seed per prompt' if report.get('seeded') else 'unseeded'})"
+           if t else "greedy")
+    lines = [f"Model {report['model']}, {report['weights']} weights, KV {report['kv_dtype']}, {how}, up to "
              f"{report['max_tokens']} tokens, {report['repeats']} repeat(s), k ngram {report['k_ngram']} / draft "
              f"{report['k_draft']}, adaptive "
              f"{report['adaptive']}, auto-off {report['auto_off']}, greedy max batch {report['greedy_max_batch']}, "

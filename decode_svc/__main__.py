@@ -181,7 +181,8 @@ def main() -> None:
                     help="a request stops speculating while its acceptance is below break-even (and n-gram "
                          "requests start again when their lookups would have paid)")
     sp.add_argument("--speculative-greedy-max-batch", type=int, default=SpecConfig.greedy_max_batch, metavar="N",
-                    help="greedy requests do not speculate in decode steps of more than N requests (0: no limit)")
+                    help="greedy and unseeded sampled requests do not speculate in decode steps of more than N "
+                         "requests (0: no limit); seeded sampled ones keep a batch-independent policy")
     sp.add_argument("--draft-model-dir", default=None,
                     help="draft model (same tokenizer as --model-dir) or draft head (a directory with "
                          "draft_head.json, distilled from --model-dir); loaded only when given, or with "

@@ -87,3 +87,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def batch_aware(self) -> bool:
+        """Whether this request's tokens may depend on the batch it decodes in, so speculation may
+        follow the batch (measured prices, no proposals in large batches): greedy (its tokens are
+        plain greedy's whatever is proposed) or sampled without a seed (nothing to reproduce). A
+        seeded sampled request decides from its own tokens only: the same output in any batch."""
+        return self.greedy or self.seed is None

@@ -205,6 +205,30 @@ def test_turned_off_request_still_gives_plain_greedy_output(models):
     assert sum(r.drafted for r in runs[True]) < sum(r.drafted for r in runs[False])
 
 
+def test_in_a_crowded_step_only_seeded_sampled_requests_speculate(models):
+    """Past greedy_max_batch requests in a step, greedy and unseeded sampled requests decode plainly
+    (batch_aware); a seeded sampled one keeps proposing, so its tokens never depend on its batch:
+    alone or with five others, the same output."""
+    target, _ = models
+    prompt = [40, 41, 42] * 9
+    # a low temperature: the tiny model's output cycles as its greedy output does, so the lookup finds matches
+    kinds = {"greedy": dict(), "unseeded": dict(temperature=0.05), "seeded": dict(temperature=0.05, seed=5)}
+    llm = LLM(target, num_pages=256, speculative_auto_off=False, speculative_adaptive=False)  # k every step
+    assert llm.core.spec_cfg.greedy_max_batch == 4
+    drafted, outputs = {}, {}
+    for name, kw in kinds.items():
+        params = SamplingParams(max_tokens=12, ignore_eos=True, speculative="ngram", num_speculative_tokens=4, **kw)
+        reqs = [llm.core.requests[llm.add_request(prompt, params)] for _ in range(6)]  # one step of 6
+        while llm.has_unfinished():
+            llm.step()
+        drafted[name], outputs[name] = sum(r.drafted for r in reqs), [r.output_ids for r in reqs]
+    assert drafted["greedy"] == drafted["unseeded"] == 0 and drafted["seeded"] > 0
+    alone = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, speculative="ngram",
+                                                  num_speculative_tokens=4, **kinds["seeded"]))[0]
+    assert all(out == outputs["seeded"][0] for out in outputs["seeded"]) and alone.token_ids == outputs["seeded"][0]
+    assert llm.stats()["used"] == 0
+
+
 # ---- cancellation in the middle of a verification step -------------------------------------------------
 
 @pytest.mark.parametrize("mode", [pb.SamplingParams.SPECULATIVE_MODE_DRAFT, pb.SamplingParams.SPECULATIVE_MODE_NGRAM])
