@@ -100,12 +100,13 @@ class Row:
 
 
 def decode(llm: LLM, timers: dict[str, Timer], row: Row, prompts: list[list[int]], mode: str, k: int,
-           max_tokens: int, temperature: float = 0.0, seeded: bool = False) -> None:
+           max_tokens: int, temperature: float = 0.0, seeded: bool = False, top_p: float = 1.0) -> None:
     """Run ``prompts`` as one batch; add the decode-phase counts to ``row``. With a temperature and
     ``seeded``, each prompt samples with a seed of its own (the same in every mode and repeat)."""
     def params(p: list[int]) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, speculative=mode, num_speculative_tokens=k or None,
-                              temperature=temperature, seed=zlib.crc32(repr(p).encode()) if seeded else None)
+                              temperature=temperature, top_p=top_p,
+                              seed=zlib.crc32(repr(p).encode()) if seeded else None)
     reqs = [llm.core.requests[llm.add_request(p, params(p))] for p in prompts]  # counters outlive the request
     llm.step()  # admission + local prefill: the first tokens, not timed
     for t in timers.values():
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy (outputs checked against plain); above: sampling (distributions match "
                          "plain, tokens do not; no ceiling, no peer)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     ap.add_argument("--seeded", action="store_true",
                     help="with --temperature: a seed per prompt (speculation then ignores the batch: "
                          "SamplingParams.batch_aware); default unseeded, as most clients send")
@@ -232,14 +234,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {(t, b, m): Row(t, b, m) for t in prompts for b in batches for m in modes}
     for m in modes:  # one untimed warm-up decode per mode
         decode(llm, timers, Row("warm", 1, m), [prompts[next(iter(prompts))][0]], m, k_of[m], 8, args.temperature,
-               args.seeded)
+               args.seeded, args.top_p)
     plan = [(t, b, group) for _ in range(args.repeats) for t in prompts for b in batches
             for group in batches_of(prompts[t], b)]
     with tqdm(total=len(plan) * len(modes), desc="decoding", unit="run") as bar:
         for t, b, group in plan:
             for m in modes:  # modes interleaved per group: machine noise hits all alike
                 decode(llm, timers, rows[t, b, m], group, m, k_of[m], args.max_tokens, args.temperature,
-                       args.seeded)
+                       args.seeded, args.top_p)
                 bar.update(1)
     results = [rows[t, b, m].summary(None if m == "none" else rows[t, b, "none"])
                for t in prompts for b in batches for m in modes]
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
               "draft_kv_dtype": args.draft_kv_dtype, "k_draft": args.k, "k_ngram": args.ngram_k,
               "adaptive": args.adaptive, "auto_off": args.auto_off, "greedy_max_batch": args.greedy_max_batch,
               "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "seeded": bool(args.temperature and args.seeded), "repeats": args.repeats,
+              "top_p": args.top_p, "seeded": bool(args.temperature and args.seeded), "repeats": args.repeats,
               "measured_row_cost": row_cost,
               "ngram_ceiling": ceilings,
               "threads": args.threads, "prompts": {t: len(ps) for t, ps in prompts.items()},
@@ -287,7 +289,8 @@ def markdown(report: dict) -> str:
             "accepted_per_spec_step", "tokens_per_step", "turned_off",
             "turned_on", "ms_per_step", "draft_ms_per_step", "target_ms_per_step", "identical_to_none"]
     t = report.get("temperature", 0.0)
-    how = (f"sampled at temperature {t} ({'a seed per prompt' if report.get('seeded') else 'unseeded'})"
+    top_p = f", top-p {report['top_p']}" if report.get("top_p", 1.0) < 1.0 else ""
+    how = (f"sampled at temperature {t}{top_p} ({'a seed per prompt' if report.get('seeded') else 'unseeded'})"
            if t else "greedy")
     lines = [f"Model {report['model']}, {report['weights']} weights, KV {report['kv_dtype']}, {how}, up to "
              f"{report['max_tokens']} tokens, {report['repeats']} repeat(s), k ngram {report['k_ngram']} / draft "

@@ -32,13 +32,29 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum()
+        probs = nucleus(probs, params.top_p)
     return probs
+
+
+NUCLEUS_FIRST_K = 64  # the most likely tokens searched first for the top-p nucleus (then 4x as many)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [vocab] -> the top-p nucleus, renormalised: the smallest prefix of the tokens in
+    descending probability whose mass reaches ``top_p`` (the token that crosses it included), zero
+    elsewhere. Searched among the ``NUCLEUS_FIRST_K`` most likely tokens, then 4x as many, before
+    all of them: sorting SmolLM2's 49,152 probabilities took 3.4 ms a token (2-core AMD EPYC, 1
+    thread), the top 64 0.1 ms, and a nucleus found within the top k is the one a full sort finds
+    (the cumulative mass only grows, so every token after the first dropped one is dropped too)."""
+    n, k = probs.shape[-1], min(NUCLEUS_FIRST_K, probs.shape[-1])
+    while True:
+        top, order = torch.topk(probs, k)  # [k], descending
+        drop = (top.cumsum(-1) - top) >= top_p  # the mass before a token already reaches top_p
+        if k == n or bool(drop[-1]):
+            break
+        k = min(n, 4 * k)
+    out = torch.zeros_like(probs).scatter_(-1, order, top.masked_fill(drop, 0.0))
+    return out / out.sum()
 
 
 def argmax(logits: torch.Tensor) -> list[int] | int:

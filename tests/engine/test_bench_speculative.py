@@ -47,13 +47,14 @@ def test_bench_speculative_with_a_draft_head(tmp_path):
 
 @pytest.mark.parametrize("seeded", [False, True])
 def test_bench_speculative_sampled(tmp_path, seeded):
-    """--temperature: every mode samples (--seeded: a seed per prompt); outputs are not compared
+    """--temperature (--top-p): every mode samples (--seeded: a seed per prompt); outputs are not compared
     with plain, and the greedy-only ceiling and peer are not run."""
     report = speculative.main(["--prompts", "2", "--max-tokens", "8", "--batches", "1", "--tasks", "grounded",
-                               "--temperature", "0.8", "--out", str(tmp_path)] + ["--seeded"] * seeded)
+                               "--temperature", "0.8", "--out", str(tmp_path)] + ["--seeded", "--top-p", "0.9"] * seeded)
     assert [r["mode"] for r in report["results"]] == ["none", "ngram", "draft"]
     assert all(r["decode_tokens"] > 0 and r["identical_to_none"] is None for r in report["results"])
     assert report["temperature"] == 0.8 and report["seeded"] is seeded
     assert not report["ngram_ceiling"] and not report["transformers"]
     text = (tmp_path / report["files"]["md"]).read_text()
-    assert f"sampled at temperature 0.8 ({'a seed per prompt' if seeded else 'unseeded'})" in text
+    assert ("sampled at temperature 0.8, top-p 0.9 (a seed per prompt)" if seeded else
+            "sampled at temperature 0.8 (unseeded)") in text

@@ -38,6 +38,25 @@ def test_top_p_keeps_smallest_prefix_reaching_mass():
     assert (p > 0).sum() == 3
 
 
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_p, order = torch.sort(probs, descending=True)
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    out = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999, 0.99999])
+@pytest.mark.parametrize("sharpness", [0.3, 1.0, 3.0])
+def test_nucleus_equals_the_full_sort(top_p, sharpness):
+    """The top-k search gives the full sort's nucleus, also where it holds thousands of tokens
+    (flat distributions, top_p near 1) and the search grows past its first 64."""
+    from kvwire.sampler import nucleus
+    g = torch.Generator().manual_seed(int(top_p * 1000) + int(sharpness * 10))
+    probs = torch.softmax(torch.randn(49152, generator=g) * sharpness, -1)
+    got, want = nucleus(probs, top_p), _nucleus_by_full_sort(probs, top_p)
+    assert torch.equal(got, want), (int((got > 0).sum()), int((want > 0).sum()))
+
+
 def test_seed_reproducible_and_steps_differ():
     logits = torch.zeros(1000)
     params = SamplingParams(temperature=1.0, seed=7)
