@@ -11,8 +11,9 @@ would ship) and is not timed; the decode steps after it are (drafting included).
 and free chat. Greedy, stopping at EOS or ``--max-tokens``; every mode must produce plain greedy's
 tokens (checked and reported). ``--temperature T`` samples instead (``--seeded``: each prompt with
 a seed of its own, which makes speculation ignore the batch): speculation keeps plain sampling's
-distribution, not its tokens, so outputs are not compared, and neither the lookup ceiling nor the
-transformers peer (greedy) is run. Each mode runs on the same prompts interleaved, so machine noise
+distribution, not its tokens, so outputs are not compared, every request runs to ``--max-tokens``
+(EOS ignored: equal lengths in every mode), and neither the lookup ceiling nor the transformers peer
+(greedy) is run. Each mode runs on the same prompts interleaved, so machine noise
 hits all alike; speedups are against plain decode of the same run. Batch b steps b requests
 together (throughput). Acceptance rate = accepted / proposed tokens; proposed / accepted per
 spec step: per verification step; tokens per step = decode tokens / decode steps, per request;
@@ -102,10 +103,13 @@ class Row:
 def decode(llm: LLM, timers: dict[str, Timer], row: Row, prompts: list[list[int]], mode: str, k: int,
            max_tokens: int, temperature: float = 0.0, seeded: bool = False, top_p: float = 1.0) -> None:
     """Run ``prompts`` as one batch; add the decode-phase counts to ``row``. With a temperature and
-    ``seeded``, each prompt samples with a seed of its own (the same in every mode and repeat)."""
+    ``seeded``, each prompt samples with a seed of its own (the same in every mode and repeat); a
+    sampled request ignores EOS, so every mode decodes the same number of tokens per request (its
+    own draws would otherwise end requests at other lengths and leave a batch's steps fuller or
+    emptier by chance)."""
     def params(p: list[int]) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, speculative=mode, num_speculative_tokens=k or None,
-                              temperature=temperature, top_p=top_p,
+                              temperature=temperature, top_p=top_p, ignore_eos=bool(temperature),
                               seed=zlib.crc32(repr(p).encode()) if seeded else None)
     reqs = [llm.core.requests[llm.add_request(p, params(p))] for p in prompts]  # counters outlive the request
     llm.step()  # admission + local prefill: the first tokens, not timed
