@@ -218,8 +218,8 @@ class ModelRunner:
                 if params[i].greedy:
                     props[i].append(best[j])
                     continue
-                tok, q = draft_sample(self.head.full_logits(small[j:j + 1])[0], params[i],
-                                      first_steps[i] + len(props[i]))
+                tok, q = draft_sample(small[j], params[i], first_steps[i] + len(props[i]),  # over its vocabulary
+                                      self.head.head_vocab, self.head.cfg.vocab_size)
                 props[i].append(tok)
                 qs[i].append(q)
             more = [j for j, i in enumerate(active) if len(props[i]) < ks[i] and reach[i] >= stop_below]

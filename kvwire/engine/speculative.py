@@ -92,13 +92,24 @@ def accept_sampled(target_logits: torch.Tensor, proposed: Sequence[int], draft_p
     return out
 
 
-def draft_sample(draft_logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int, torch.Tensor | None]:
+def draft_sample(draft_logits: torch.Tensor, params: SamplingParams, step: int,
+                 support: torch.Tensor | None = None, vocab: int = 0) -> tuple[int, torch.Tensor | None]:
     """The draft's proposal for generated token ``step`` and the distribution q it came from
-    (None when greedy: the target then checks argmax equality and needs no q)."""
+    (None when greedy: the target then checks argmax equality and needs no q). ``support``: the
+    token ids of ``draft_logits``'s entries when the draft scores part of the vocabulary (a draft
+    head's 8,191 of SmolLM2's 49,152): temperature, top-k, top-p and the draw then run over that
+    part only, the distribution every other token would get (zero) left out, and q is returned
+    over the whole ``vocab``, zero outside it (what verification reads)."""
     if params.greedy:
-        return argmax(draft_logits), None
-    q = probabilities(draft_logits, params)  # [vocab]
-    return draw(q, draft_generator(params.seed, step)), q
+        best = argmax(draft_logits)
+        return (best if support is None else int(support[best])), None
+    q = probabilities(draft_logits, params)  # [len(draft_logits)]
+    i = draw(q, draft_generator(params.seed, step))
+    if support is None:
+        return i, q
+    full = torch.zeros(vocab, dtype=q.dtype)
+    full[support] = q
+    return int(support[i]), full
 
 
 def adapt_k(k: int, proposed: int, accepted: int, k_max: int) -> int:

@@ -102,12 +102,6 @@ class DraftHead(nn.Module):
         x = self.hidden(feature, tokens)
         return x, self.head(x)[:, :self.cfg.head_vocab].float()
 
-    def full_logits(self, small: torch.Tensor) -> torch.Tensor:
-        """[S, head_vocab] -> [S, vocab], -inf outside the head vocabulary (what sampling draws from)."""
-        logits = torch.full((small.shape[0], self.cfg.vocab_size), float("-inf"))
-        logits[:, self.head_vocab] = small
-        return logits
-
 
 def load_draft_head(path: str | Path, embed: nn.Embedding) -> DraftHead:
     """Read a head directory (weights fp32; quantize afterwards with ``quantize_model``)."""

@@ -212,6 +212,33 @@ def test_one_c_head_evaluation_equals_the_heads_forward(pair):
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9),
+                                dict(temperature=0.8, top_k=20), dict(temperature=1.3, top_k=5000, top_p=0.95)])
+def test_a_heads_sampled_proposal_is_drawn_over_its_vocabulary_as_over_the_whole(kw):
+    """draft_sample over the head's scores and its vocabulary ids: q equals the distribution over
+    the full vocabulary with -inf outside the head's (what it was drawn from before), and every
+    proposal is a head-vocabulary token drawn from q (chi-square over the most likely ones)."""
+    from kvwire.engine.speculative import draft_sample
+    from kvwire.sampler import probabilities
+    g = torch.Generator().manual_seed(4)
+    vocab, support = 3000, torch.randperm(3000, generator=g)[:700].sort().values
+    small = torch.randn(700, generator=g) * 2
+    full_logits = torch.full((vocab,), float("-inf"))
+    full_logits[support] = small
+    params = SamplingParams(**kw)
+    want = probabilities(full_logits, params)
+    counts = torch.zeros(vocab)
+    for step in range(3000):
+        tok, q = draft_sample(small, params, step, support, vocab)
+        counts[tok] += 1
+    torch.testing.assert_close(q, want, rtol=1e-5, atol=1e-7)
+    assert counts[want == 0].sum() == 0
+    top = want.argsort(descending=True)[:5]
+    expected = want[top] * 3000
+    chi2 = float(((counts[top] - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (counts[top], expected)  # df 5, p = 0.001 (the 5 most likely, each against the rest)
+
+
 def test_warm_up_prices_a_head_proposal(pair):
     from kvwire.engine.runner import ModelRunner
     target, head, _ = pair
