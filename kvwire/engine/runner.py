@@ -46,7 +46,8 @@ class ModelRunner:
         self.features: dict[int, torch.Tensor] = {}
         self._hidden: dict[int, torch.Tensor] = {}
         self._head_seconds: tuple[float, int] = (0.0, 0)  # running mean of one chained head call, calls
-        # greedy chains in one C call where the kernels read the head's layers (kvwire.model.fast_head)
+        # the head in C where the kernels read its layers (kvwire.model.fast_head): a greedy chain in
+        # one call, a sampling chain one call per evaluation
         self.fast_head = FastHead.build(self.head) if self.head is not None else None
         # seq -> (its length before, tokens fed) in the last multi-token step: what ``keep`` rolls back
         self._starts: dict[int, tuple[int, int]] = {}
@@ -191,7 +192,8 @@ class ModelRunner:
         """``propose`` with the draft head: chained from each sequence's feature and pending token,
         batched over the sequences still drafting. A sequence stops drafting once the product of
         its proposals' confidences (the head's probability of its top token) is below ``stop_below``:
-        the next one would be accepted too rarely to be worth its row."""
+        the next one would be accepted too rarely to be worth its row. All greedy: the whole chain in
+        one C call (``FastHead``); else each proposal is drawn here, over the head's vocabulary."""
         feats = torch.stack([self.features[s] for s in seqs])  # [S, hidden]
         if self.fast_head is not None and all(p.greedy for p in params):
             t0 = time.perf_counter()

@@ -151,8 +151,8 @@ class SpecConfig:
     a whole request's row does, so the break-even rises with b; batch-aware requests (greedy, whose
     output is the plain output either way, and unseeded sampled ones) do not speculate in steps of
     more than ``greedy_max_batch`` requests (0: no limit). A seeded sampled request keeps its own
-    policy, so its tokens do not depend on its batch. (Measured, bench speculative --temperature
-    0.7, 6 grounded prompts in one step: seeded, n-gram 0.89x and draft head 0.77x of plain.)
+    policy, so its tokens do not depend on its batch, and can lose there (bench speculative
+    --temperature 0.7 --seeded, 6 prompts in one step: n-gram 0.91-0.93x, draft head 0.66-0.83x).
     """
 
     mode: SpeculativeMode = SpeculativeMode.NONE  # what a request's speculative=None means

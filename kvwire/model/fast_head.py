@@ -7,8 +7,8 @@ after a target step has streamed its weights through the caches, each of those o
 about 1 ms, a sixth of a plain SmolLM2 step. ``FastHead`` runs the same chain in C: the same
 matmul kernels on the same weights (``fast_decode.linear_desc``), the C RMSNorm and SiLU the fused
 decode step uses, the argmax and softmax's top probability computed over the head vocabulary.
-A sampling chain draws each proposal in Python (from the full distribution q, with the request's
-generator) and calls ``forward``, one C call per proposal.
+A sampling chain draws each proposal in Python (from the head vocabulary's distribution, with the
+request's seeded generator) and calls ``forward``, one C call per head evaluation.
 
 Numerics: the matmuls are the very ones the torch path calls; the norms are the C step's, which
 differ from ``F.rms_norm`` in the last bits, so on a near tie the two paths may propose different
@@ -26,7 +26,8 @@ from kvwire.model.fast_decode import linear_desc
 
 
 class FastHead:
-    """Built once per loaded head (``build``); called once per step for every greedy drafting sequence."""
+    """Built once per loaded head (``build``); called once per step for every greedy drafting
+    sequence (``__call__``), or once per proposal of a sampling chain (``forward``)."""
 
     def __init__(self, lib, head: DraftHead, fc: cpu.LinearDesc, blocks: ctypes.Array, out: cpu.LinearDesc,
                  keep: list):
