@@ -9,7 +9,8 @@ accuracy (quantization cost), disagg (served against in-process, batch 1), and s
 bench/speculative.py is present, trace (one request's spans as a waterfall PNG), and prefix
 (prefix caching across the split: TTFT hit vs miss, KV bytes on the wire), serve-vs-vllm (our OpenAI
 door against vLLM's CPU build, both driven by `vllm bench serve`; vLLM in its own venv), kernels (the
-Triton KV kernels against the PyTorch reference on a CUDA device). ``all`` runs
+Triton KV kernels against the PyTorch reference on a CUDA device), memory (the services' resident
+memory against weights + KV pool). ``all`` runs
 tokenizer, kv, serve and engine with their defaults (plus whatever ``--<name>-args`` adds). Every
 run writes bench/out/<name>-<model>-<stamp>.json/.md (+ PNG plots); ``--write-docs`` also puts the
 markdown into docs/benchmarks.md's results section.
@@ -28,7 +29,7 @@ from bench import common
 BENCHMARKS = {"serve": "bench.serve", "engine": "bench.engine", "tokenizer": "bench.tokenizer", "kv": "bench.kv",
               "accuracy": "bench.accuracy", "disagg": "bench.disagg", "speculative": "bench.speculative",
               "trace": "bench.trace", "prefix": "bench.prefix", "serve-vs-vllm": "bench.serve_peers",
-              "kernels": "bench.kernels"}
+              "kernels": "bench.kernels", "memory": "bench.memory"}
 ALL = ("tokenizer", "kv", "serve", "engine")
 
 

@@ -77,6 +77,7 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
     share_cores: bool = True  # when the cores are split: prefill and decode lend each other theirs
+    services: tuple[str, ...] = ("prefill_svc", "decode_svc", "tokenizer_svc")  # started in this order
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     cores_file: Path | None = field(default=None, repr=False)  # --share-cores, while started
@@ -103,12 +104,12 @@ class Stack:
         return flags + self.extra.get(name, [])
 
     def start(self, timeout_s: float = 120.0) -> "Stack":
-        names = ("prefill_svc", "decode_svc", "tokenizer_svc")
+        names = self.services
         if self.share_cores and self.cores_file is None:
             fd, path = tempfile.mkstemp(prefix="kvwire-cores-")
             os.close(fd)
             self.cores_file = Path(path)
-        for name in names:
+        for name in SERVICE_NAMES:  # every port, so a started service's flags can name the others
             self.ports.setdefault(name, free_port())
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
         for name in names:

@@ -99,3 +99,18 @@ def test_kernels_on_the_cpu(tmp_path):
     assert report["kernel"] == "kvwire_kernels/cpu (C)" and len(report["attention"]) == 2
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["attention"] + report["writes"])
     assert "kernel speedup" in next(tmp_path.glob("kernels-*.md")).read_text()
+
+
+def test_memory(tmp_path):
+    """prefill_svc and decode_svc of a random tiny shape (no tokenizer: no tokenizer service), both
+    KV sources, then each one's resident memory against the weights and its pool."""
+    cli.main(["memory", "--shape", "tiny", "--models-dir", str(tmp_path / "models"), "--weights", "int8",
+              "--requests", "2", "--prompt-len", "24", "--out", str(tmp_path)])
+    report, _ = outputs(tmp_path, "memory")
+    rows = {r["process"]: r for r in report["rows"]}
+    assert set(rows) == {"decode_svc", "prefill_svc"}
+    for r in rows.values():
+        assert 0 < r["weights_mb"] < 1 and r["pool_mb"] > 0 and r["peak_mb"] >= r["rss_mb"] > 50
+        assert abs(r["runtime_mb"] - (r["peak_mb"] - r["weights_mb"] - r["pool_mb"])) < 0.2
+        assert r["peak_over_weights_and_pool"] > 1  # a tiny model: the runtime is most of it
+    assert rows["decode_svc"]["pool_mb"] > rows["prefill_svc"]["pool_mb"]  # 2,048 pages against 1,024
