@@ -107,7 +107,7 @@ def draft_sample(draft_logits: torch.Tensor, params: SamplingParams, step: int,
     i = draw(q, draft_generator(params.seed, step))
     if support is None:
         return i, q
-    full = torch.zeros(vocab, dtype=q.dtype)
+    full = torch.zeros(vocab, dtype=q.dtype, device=q.device)
     full[support] = q
     return int(support[i]), full
 
