@@ -62,9 +62,10 @@ SIGNATURES = {
     "kvw_linear_bf16a16": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
-    "kvw_draft_head": [P, I32, P, P, P, I64, P, P, I64, I64, I64, F32, I64, P, P, P, I64, F32, P, P, P, P, I32],
+    "kvw_draft_head_eval": [P, I64, P, P, P, P, I32],
+    "kvw_draft_head_chain": [P, I64, P, P, P, I64, F32, P, P, I32],
 }
-RESTYPES = {"kvw_draft_head": I64}
+RESTYPES = {"kvw_draft_head_chain": I64}
 WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C file's WT_* codes
 WT_I8A8 = 3  # int8 weights x int8 activations (blocks of 32), AVX512-VNNI builds only
 WT_I8A8_PACKED = 4  # the same, weights as pack_i8a8 lays them out (kvw_gemm_i8a8)
@@ -83,8 +84,15 @@ class LayerDesc(ctypes.Structure):
 
 
 class HeadBlockDesc(ctypes.Structure):
-    """kvw_head_block_t: one block of a draft head (kvwire.model.draft_head.HeadBlock) for kvw_draft_head."""
+    """kvw_head_block_t: one block of a draft head (kvwire.model.draft_head.HeadBlock)."""
     _fields_ = [("norm", P), ("gate_up", LinearDesc), ("down", LinearDesc)]
+
+
+class DraftHeadDesc(ctypes.Structure):
+    """kvw_draft_head_t: a whole draft head (kvwire.model.draft_head.DraftHead) for kvw_draft_head_*."""
+    _fields_ = [("embed", P), ("embed_bf16", I64), ("tok_norm", P), ("fc", LinearDesc), ("blocks", P),
+                ("num_blocks", I64), ("head", LinearDesc), ("head_vocab", P), ("head_vocab_n", I64),
+                ("hidden", I64), ("inter", I64), ("eps", F32)]
 
 unavailable_reason: str | None = None
 

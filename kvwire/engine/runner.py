@@ -207,9 +207,9 @@ class ModelRunner:
         confs: list[list[float]] = [[] for _ in seqs]
         reach = [1.0] * len(seqs)
         active = list(range(len(seqs)))
+        head = self.head if self.fast_head is None else self.fast_head.forward
         while active:
             t0 = time.perf_counter()
-            head = self.head if self.fast_head is None else self.fast_head.forward
             feats, small = head(feats, toks)  # [A, hidden], [A, head_vocab]
             self._time_head(time.perf_counter() - t0)
             top, arg = torch.softmax(small, dim=-1).max(-1)

@@ -1,4 +1,4 @@
-"""A draft head's greedy proposals in one C call (``kvw_draft_head`` in kvwire_kernels/cpu).
+"""A draft head's greedy proposals in one C call (``kvw_draft_head_chain`` in kvwire_kernels/cpu).
 
 ``ModelRunner._propose_head`` chains ``DraftHead.forward`` from Python: per proposal an embedding
 lookup, two norms, three matmuls, the head rows, a softmax and a max, a dozen torch ops. Right
@@ -29,25 +29,20 @@ class FastHead:
     """Built once per loaded head (``build``); called once per step for every greedy drafting
     sequence (``__call__``), or once per proposal of a sampling chain (``forward``)."""
 
-    def __init__(self, lib, head: DraftHead, fc: cpu.LinearDesc, blocks: ctypes.Array, out: cpu.LinearDesc,
-                 keep: list):
-        cfg = head.cfg
-        self.lib, self.head, self.fc, self.blocks, self.out = lib, head, fc, blocks, out
-        self._keep = keep  # the tensors whose pointers the descriptors hold
-        self.embed = head.embed[0].weight.detach()  # [vocab, hidden] fp32 or bf16 (the target's, shared)
-        self.tok_norm = head.tok_norm.weight.detach().float().contiguous()
-        self.vocab = head.head_vocab.contiguous()  # [head_vocab] int64
-        self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+    def __init__(self, lib, desc: cpu.DraftHeadDesc, keep: list):
+        self.lib, self.desc = lib, desc
+        self._keep = keep  # the tensors (and block array) whose pointers the descriptor holds
+        self.hidden, self.head_vocab, self.rows = desc.hidden, desc.head_vocab_n, desc.head.out_features
 
     @classmethod
     def build(cls, head: DraftHead) -> "FastHead | None":
         """None where the C kernels are unavailable or a layer is of a kind they do not read."""
         lib = cpu.library()
-        embed = head.embed[0].weight
+        embed = head.embed[0].weight.detach()  # [vocab, hidden]: the target's, shared
         if lib is None or embed.device.type != "cpu" or embed.dtype not in (torch.float32, torch.bfloat16) \
                 or not embed.is_contiguous():
             return None
-        keep: list[torch.Tensor] = []
+        keep: list = []
         blocks = (cpu.HeadBlockDesc * len(head.blocks))()
         for desc, block in zip(blocks, head.blocks):
             lins = [linear_desc(block.gate_up, keep), linear_desc(block.down, keep)]
@@ -57,43 +52,42 @@ class FastHead:
             keep.append(norm)
             desc.norm, (desc.gate_up, desc.down) = norm.data_ptr(), lins
         fc, out = linear_desc(head.fc, keep), linear_desc(head.head, keep)
-        return None if fc is None or out is None else cls(lib, head, fc, blocks, out, keep)
-
-    def _run(self, features: torch.Tensor, tokens: list[int], ks: list[int], stop_below: float,
-             out: tuple[torch.Tensor, torch.Tensor] | None = None):
-        S, kmax = len(tokens), max(ks, default=0)
-        feats = features.float().contiguous()  # [S, hidden]
-        toks = torch.tensor(tokens, dtype=torch.int64)
-        k = torch.tensor(ks, dtype=torch.int64)
-        out_tok = torch.empty(S, kmax, dtype=torch.int64)
-        out_conf = torch.empty(S, kmax)
-        calls = self.lib.kvw_draft_head(
-            self.embed.data_ptr(), int(self.embed.dtype == torch.bfloat16), self.tok_norm.data_ptr(),
-            ctypes.byref(self.fc), self.blocks, len(self.blocks), ctypes.byref(self.out), self.vocab.data_ptr(),
-            self.vocab.shape[0], self.hidden, self.inter, self.eps, S, feats.data_ptr(), toks.data_ptr(),
-            k.data_ptr(), kmax, stop_below, out_tok.data_ptr(), out_conf.data_ptr(),
-            None if out is None else out[0].data_ptr(), None if out is None else out[1].data_ptr(),
-            torch.get_num_threads())
-        return out_tok, out_conf, int(calls)
+        if fc is None or out is None:
+            return None
+        cfg = head.cfg
+        tok_norm, vocab = head.tok_norm.weight.detach().float().contiguous(), head.head_vocab.contiguous()
+        keep += [embed, tok_norm, vocab, blocks]
+        desc = cpu.DraftHeadDesc(embed.data_ptr(), int(embed.dtype == torch.bfloat16), tok_norm.data_ptr(), fc,
+                                 ctypes.addressof(blocks), len(head.blocks), out, vocab.data_ptr(), vocab.shape[0],
+                                 cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+        return cls(lib, desc, keep)
 
     def __call__(self, features: torch.Tensor, tokens: list[int], ks: list[int],
                  stop_below: float) -> tuple[list[list[int]], list[list[float]], int]:
         """features: [S, hidden] (each sequence's f_t), tokens: [S] (its pending token), ks: at most
         this many proposals each. Returns (proposals, their confidences) per sequence and the head
         evaluations made (the longest chain): what ``_propose_head`` computes for greedy requests."""
-        out_tok, out_conf, calls = self._run(features, tokens, ks, stop_below)
+        S, kmax = len(tokens), max(ks, default=0)
+        feats = features.float().contiguous()  # [S, hidden]
+        toks, k = torch.tensor(tokens, dtype=torch.int64), torch.tensor(ks, dtype=torch.int64)
+        out_tok, out_conf = torch.empty(S, kmax, dtype=torch.int64), torch.empty(S, kmax)
+        calls = self.lib.kvw_draft_head_chain(ctypes.byref(self.desc), S, feats.data_ptr(), toks.data_ptr(),
+                                              k.data_ptr(), kmax, stop_below, out_tok.data_ptr(), out_conf.data_ptr(),
+                                              torch.get_num_threads())
         props, confs = [], []
         for t, c in zip(out_tok.tolist(), out_conf.tolist()):
             n = next((j for j, x in enumerate(t) if x < 0), len(t))
             props.append(t[:n])
             confs.append(c[:n])
-        return props, confs, calls
+        return props, confs, int(calls)
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``DraftHead.forward`` in one C call (for a chain that samples each proposal in Python):
         features [S, hidden], tokens [S] -> (f^_{t+1} [S, hidden], logits over the head vocabulary
         [S, head_vocab] fp32)."""
         S = tokens.shape[0]
-        x, logits = torch.empty(S, self.hidden), torch.empty(S, self.out.out_features)
-        self._run(features, tokens.tolist(), [1] * S, 0.0, (x, logits))
-        return x, logits[:, :self.vocab.shape[0]]
+        feats, toks = features.float().contiguous(), tokens.to(torch.int64).contiguous()
+        x, logits = torch.empty(S, self.hidden), torch.empty(S, self.rows)
+        self.lib.kvw_draft_head_eval(ctypes.byref(self.desc), S, feats.data_ptr(), toks.data_ptr(), x.data_ptr(),
+                                     logits.data_ptr(), torch.get_num_threads())
+        return x, logits[:, :self.head_vocab]

@@ -1124,36 +1124,80 @@ void kvw_decode_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, 
     free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(gu); free(act);
 }
 
-/* ---- a draft head's greedy proposals in one call ---------------------------------------------- */
+/* ---- a draft head (kvwire/model/draft_head.py) in C ------------------------------------------- */
 
 typedef struct {
     const float *norm;  /* [hidden] */
     kvw_linear_t gate_up, down;
 } kvw_head_block_t;
 
-/* The greedy chain of kvwire/model/draft_head.py's DraftHead, as ModelRunner._propose_head runs it,
- * for S sequences at once without going back to Python between proposals (right after a target
- * step every torch op starts on cold caches, 0.1-0.2 ms apiece). Per proposal, over the sequences
- * still drafting:
- *   x = fc([feature | rms_norm(embed[tok]) * tok_norm]); per block x += down(silu_mul(gate_up(rms_norm(x))));
- *   logits = head(x)[:head_vocab_n]; tok = head_vocab[argmax] (the first of tied maxima);
- *   conf = softmax's top probability = 1 / sum(exp(logits - max)); feature = x.
- * Sequence i drafts until it has k[i] (<= kmax) proposals or the product of its confidences is below
- * stop_below. Writes out_tok / out_conf [S, kmax] (-1 / 0 past a sequence's proposals) and returns
- * the head evaluations made (the longest chain). embed: [vocab, hidden], fp32 or (embed_bf16) bf16.
- * out_x [S, hidden] and out_logits [S, head->out], when not NULL, receive the first evaluation's
- * predicted hidden states and head logits, rows of the sequences with k[i] > 0 in order (one step
- * for a caller that samples: k all 1). */
-int64_t kvw_draft_head(const void *embed, int embed_bf16, const float *tok_norm, const kvw_linear_t *fc,
-                       const kvw_head_block_t *blocks, int64_t num_blocks, const kvw_linear_t *head,
-                       const int64_t *head_vocab, int64_t head_vocab_n, int64_t hidden, int64_t inter, float eps,
-                       int64_t S, const float *feat, const int64_t *tok, const int64_t *k, int64_t kmax,
-                       float stop_below, int64_t *out_tok, float *out_conf, float *out_x, float *out_logits,
-                       int nthreads) {
-    float *cat = malloc(sizeof(float) * S * 2 * hidden), *x = malloc(sizeof(float) * S * hidden);
-    float *hbuf = malloc(sizeof(float) * S * hidden), *gu = malloc(sizeof(float) * S * 2 * inter);
-    float *act = malloc(sizeof(float) * S * inter), *logits = malloc(sizeof(float) * S * head->out);
-    float *erow = malloc(sizeof(float) * hidden);
+typedef struct {
+    const void *embed;  /* [vocab, hidden]: the target's embedding table, fp32 or (embed_bf16) bf16 */
+    int64_t embed_bf16;
+    const float *tok_norm;  /* [hidden] */
+    kvw_linear_t fc;  /* [hidden, 2 * hidden] */
+    const kvw_head_block_t *blocks;
+    int64_t num_blocks;
+    kvw_linear_t head;  /* [head_vocab rounded up to 16, hidden] */
+    const int64_t *head_vocab;  /* [head_vocab_n] token ids */
+    int64_t head_vocab_n, hidden, inter;
+    float eps;
+} kvw_draft_head_t;
+
+/* One evaluation of DraftHead.forward for A rows: cat [A, 2 * hidden] holds each row's feature in
+ * its first half (the second half is written here: rms_norm(embed[tok]) * tok_norm); x [A, hidden]
+ * and logits [A, head.out] receive the predicted hidden state and the head's scores:
+ *   x = fc(cat); per block x += down(silu_mul(gate_up(rms_norm(x)))); logits = head(x). */
+static void head_eval(const kvw_draft_head_t *H, int64_t A, const int64_t *tok, float *cat, float *x,
+                      float *logits, int nthreads) {
+    const int64_t h = H->hidden;
+    float *hbuf = malloc(sizeof(float) * A * h), *gu = malloc(sizeof(float) * A * 2 * H->inter);
+    float *act = malloc(sizeof(float) * A * H->inter);
+    for (int64_t a = 0; a < A; a++) {
+        const float *e = (const float *)H->embed + tok[a] * h;
+        if (H->embed_bf16) {
+            const uint16_t *row = (const uint16_t *)H->embed + tok[a] * h;
+            for (int64_t j = 0; j < h; j++) hbuf[j] = bf16_to_f32(row[j]);
+            e = hbuf;
+        }
+        kvw_rms_norm(e, 1, h, H->tok_norm, H->eps, cat + a * 2 * h + h);
+    }
+    run_linear(&H->fc, cat, A, x, NULL, nthreads);
+    for (int64_t b = 0; b < H->num_blocks; b++) {
+        const kvw_head_block_t *B = H->blocks + b;
+        kvw_rms_norm(x, A, h, B->norm, H->eps, hbuf);
+        run_linear(&B->gate_up, hbuf, A, gu, NULL, nthreads);
+        kvw_silu_mul(gu, A, H->inter, act);
+        run_linear(&B->down, act, A, x, x, nthreads);
+    }
+    run_linear(&H->head, x, A, logits, NULL, nthreads);
+    free(hbuf); free(gu); free(act);
+}
+
+/* One evaluation for S rows (a chain that samples each proposal in Python): feat [S, hidden], tok [S]
+ * -> out_x [S, hidden], out_logits [S, head.out]. */
+void kvw_draft_head_eval(const kvw_draft_head_t *H, int64_t S, const float *feat, const int64_t *tok,
+                         float *out_x, float *out_logits, int nthreads) {
+    float *cat = malloc(sizeof(float) * S * 2 * H->hidden);
+    for (int64_t i = 0; i < S; i++) memcpy(cat + i * 2 * H->hidden, feat + i * H->hidden, sizeof(float) * H->hidden);
+    head_eval(H, S, tok, cat, out_x, out_logits, nthreads);
+    free(cat);
+}
+
+/* The greedy chain, as ModelRunner._propose_head runs it, for S sequences at once without going back
+ * to Python between proposals (right after a target step every torch op starts on cold caches,
+ * 0.1-0.2 ms apiece). Per proposal, over the sequences still drafting: head_eval; tok =
+ * head_vocab[argmax] (the first of tied maxima); conf = softmax's top probability = 1 /
+ * sum(exp(logits - max)) over the head vocabulary; the next feature is x. Sequence i drafts until it
+ * has k[i] (<= kmax) proposals or the product of its confidences is below stop_below. Writes out_tok /
+ * out_conf [S, kmax] (-1 / 0 past a sequence's proposals); returns the evaluations made (the longest
+ * chain). */
+int64_t kvw_draft_head_chain(const kvw_draft_head_t *H, int64_t S, const float *feat, const int64_t *tok,
+                             const int64_t *k, int64_t kmax, float stop_below, int64_t *out_tok, float *out_conf,
+                             int nthreads) {
+    const int64_t h = H->hidden, nv = H->head_vocab_n;
+    float *cat = malloc(sizeof(float) * S * 2 * h), *x = malloc(sizeof(float) * S * h);
+    float *logits = malloc(sizeof(float) * S * H->head.out);
     double *reach = malloc(sizeof(double) * S);
     int64_t *seq = malloc(sizeof(int64_t) * S), *cur = malloc(sizeof(int64_t) * S), *cnt = calloc(S, sizeof(int64_t));
     int64_t A = 0, calls = 0;
@@ -1161,60 +1205,38 @@ int64_t kvw_draft_head(const void *embed, int embed_bf16, const float *tok_norm,
     for (int64_t i = 0; i < S; i++) {
         reach[i] = 1.0;
         if (k[i] <= 0) continue;
-        memcpy(cat + A * 2 * hidden, feat + i * hidden, sizeof(float) * hidden);
+        memcpy(cat + A * 2 * h, feat + i * h, sizeof(float) * h);
         seq[A] = i, cur[A] = tok[i], A++;
     }
     while (A > 0) {
         calls++;
-        for (int64_t a = 0; a < A; a++) {
-            if (embed_bf16) {
-                const uint16_t *row = (const uint16_t *)embed + cur[a] * hidden;
-                for (int64_t j = 0; j < hidden; j++) erow[j] = bf16_to_f32(row[j]);
-            } else {
-                memcpy(erow, (const float *)embed + cur[a] * hidden, sizeof(float) * hidden);
-            }
-            kvw_rms_norm(erow, 1, hidden, tok_norm, eps, cat + a * 2 * hidden + hidden);
-        }
-        run_linear(fc, cat, A, x, NULL, nthreads);
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const kvw_head_block_t *B = blocks + b;
-            kvw_rms_norm(x, A, hidden, B->norm, eps, hbuf);
-            run_linear(&B->gate_up, hbuf, A, gu, NULL, nthreads);
-            kvw_silu_mul(gu, A, inter, act);
-            run_linear(&B->down, act, A, x, x, nthreads);
-        }
-        run_linear(head, x, A, logits, NULL, nthreads);
-        if (calls == 1 && out_x != NULL) {  /* every sequence is in the first evaluation, in order */
-            memcpy(out_x, x, sizeof(float) * A * hidden);
-            memcpy(out_logits, logits, sizeof(float) * A * head->out);
-        }
+        head_eval(H, A, cur, cat, x, logits, nthreads);
         int64_t next = 0;
         for (int64_t a = 0; a < A; a++) {
-            const float *l = logits + a * head->out;
+            const float *l = logits + a * H->head.out;
             int64_t j = 0, best = 0;
             f32x16 vm = splat(-INFINITY);
-            for (; j + 16 <= head_vocab_n; j += 16) { const f32x16 v = load_f32(l + j); vm = vsel(v > vm, v, vm); }
+            for (; j + 16 <= nv; j += 16) { const f32x16 v = load_f32(l + j); vm = vsel(v > vm, v, vm); }
             float m = hmax(vm);
-            for (; j < head_vocab_n; j++) m = l[j] > m ? l[j] : m;
+            for (; j < nv; j++) m = l[j] > m ? l[j] : m;
             while (l[best] != m) best++;  /* the first of tied maxima */
             f32x16 vs = splat(0.0f);
-            for (j = 0; j + 16 <= head_vocab_n; j += 16) vs += exp_nonpos(load_f32(l + j) - m);
+            for (j = 0; j + 16 <= nv; j += 16) vs += exp_nonpos(load_f32(l + j) - m);
             double sum = 0;
             for (int i = 0; i < 16; i++) sum += vs[i];
-            for (; j < head_vocab_n; j++) sum += expf(l[j] - m);
+            for (; j < nv; j++) sum += expf(l[j] - m);
             const int64_t i = seq[a], n = cnt[i]++;
             const float conf = (float)(1.0 / sum);
-            out_tok[i * kmax + n] = head_vocab[best], out_conf[i * kmax + n] = conf;
+            out_tok[i * kmax + n] = H->head_vocab[best], out_conf[i * kmax + n] = conf;
             reach[i] *= conf;
             if (cnt[i] < k[i] && cnt[i] < kmax && reach[i] >= stop_below) {  /* drafts on from its own prediction */
-                memcpy(cat + next * 2 * hidden, x + a * hidden, sizeof(float) * hidden);
-                seq[next] = i, cur[next] = head_vocab[best], next++;
+                memcpy(cat + next * 2 * h, x + a * h, sizeof(float) * h);
+                seq[next] = i, cur[next] = H->head_vocab[best], next++;
             }
         }
         A = next;
     }
-    free(cat); free(x); free(hbuf); free(gu); free(act); free(logits); free(erow); free(reach);
-    free(seq); free(cur); free(cnt);
+    free(cat); free(x); free(logits); free(reach); free(seq); free(cur); free(cnt);
     return calls;
 }
 
