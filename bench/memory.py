@@ -30,19 +30,9 @@ from kvwire.runtime import EngineConfig, load_engine
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from tools.stack import Stack
+from tools.stack import Stack, proc_memory_mb
 
 MB = 1 << 20
-
-
-def proc_status(pid: int) -> dict[str, float]:
-    """VmRSS and VmHWM of a process, in MB."""
-    out = {}
-    for line in open(f"/proc/{pid}/status"):
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024 / MB
-    return out
 
 
 def weight_mb(model_dir: Path, weights: str, kv_dtype: str) -> float:
@@ -85,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
             source = pb.KV_SOURCE_LOCAL if i % 2 == 0 else pb.KV_SOURCE_REMOTE
             asyncio.run(served(stack.addr("decode_svc"), ids, 16, source))
         pools = asyncio.run(pool_mb(stack))
-        status = {name: proc_status(stack.procs[name].pid) for name in pools}
+        status = {name: proc_memory_mb(stack.procs[name].pid) for name in pools}
     rows = []
     for name, pool in pools.items():
         held = weights + pool

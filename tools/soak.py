@@ -24,17 +24,14 @@ import grpc
 
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from tools.stack import Stack
+from tools.stack import Stack, proc_memory_mb
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions can be raised", "The import statement",
            "Lambda expressions are", "The with statement", "안녕하세요 👋", "Integer literals"]
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return proc_memory_mb(pid).get("VmRSS", float("nan"))
 
 
 def make_request(rng: random.Random) -> tuple[str, pb.GenerateTextRequest]:

@@ -50,6 +50,17 @@ def wait_serving(addr: str, timeout_s: float, proc: subprocess.Popen | None = No
             time.sleep(0.2)
 
 
+def proc_memory_mb(pid: int) -> dict[str, float]:
+    """A process's resident memory from /proc/<pid>/status, in MiB: "VmRSS" (now) and "VmHWM" (its
+    peak since it started); {} where /proc has neither (not Linux, or the process is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {key: int(value.split()[0]) / 1024 for key, _, value in (line.partition(":") for line in lines)
+            if key in ("VmRSS", "VmHWM")}
+
+
 def split_cpus(cpus: int) -> dict[str, int]:
     """Compute threads for prefill_svc and decode_svc sharing ``cpus`` cores: half each (decode
     gets the odd one). Both at the full count would run twice as many OpenMP threads as cores, and

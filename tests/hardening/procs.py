@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.stack import REPO, free_port, wait_serving
+from tools.stack import REPO, free_port, proc_memory_mb, wait_serving
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Service:
 
 def rss_mb(pid: int) -> float:
     """Resident set size of ``pid`` in MiB (Linux /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    rss = proc_memory_mb(pid).get("VmRSS")
+    if rss is None:
+        raise RuntimeError(f"no VmRSS for pid {pid}")
+    return rss
