@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvwire import sampler
-from kvwire.sampler import draw, probabilities, sample
+from kvwire.sampler import draw, nucleus, probabilities, sample
 from kvwire.errors import InvalidRequest
 from kvwire.sampling_params import MIN_TEMPERATURE, SamplingParams
 
@@ -50,7 +50,6 @@ def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def test_nucleus_equals_the_full_sort(top_p, sharpness):
     """The top-k search gives the full sort's nucleus, also where it holds thousands of tokens
     (flat distributions, top_p near 1) and the search grows past its first 64."""
-    from kvwire.sampler import nucleus
     g = torch.Generator().manual_seed(int(top_p * 1000) + int(sharpness * 10))
     probs = torch.softmax(torch.randn(49152, generator=g) * sharpness, -1)
     got, want = nucleus(probs, top_p), _nucleus_by_full_sort(probs, top_p)
