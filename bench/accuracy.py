@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from bench import common
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.generate import generate
 from kvwire.kv.spec import KVPageSpec

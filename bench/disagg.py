@@ -37,7 +37,8 @@ import torch
 
 from bench import common
 from kvwire import LLM, SamplingParams
-from kvwire.cli import DEFAULT_MODEL_DIR, usable_cpus
+from kvwire.config import DEFAULT_MODEL_DIR
+from kvwire.threads import usable_cpus
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg

@@ -143,7 +143,7 @@ def measure(args, model_dir: Path, kv: str, lens: list[int], bar) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from kvwire.cli import DEFAULT_MODEL_DIR
+    from kvwire.config import DEFAULT_MODEL_DIR
     ap = argparse.ArgumentParser(prog="python -m bench kv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)

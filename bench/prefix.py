@@ -21,15 +21,16 @@ from pathlib import Path
 
 from bench import common
 from kvwire import metrics
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.core import EngineCore
-from kvwire.engine.kv_source import KVSources, LocalPrefill, RemotePrefill
+from decode_svc.remote_prefill import RemotePrefill
+from kvwire.engine.kv_source import KVSources, LocalPrefill
 from kvwire.engine.runner import ModelRunner
 from kvwire.runtime import EngineConfig, load_engine
 from kvwire.sampling_params import KVSourceChoice, SamplingParams
-from kvwire.serving import GrpcServer, build_channel
+from kvwire_serving.server import GrpcServer, build_channel
 from kvwire.tokenizer import ModelTokenizer
 from prefill_svc.runner import PrefillRunner
 from prefill_svc.server import PrefillServicer

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from bench import common, machine, plots
 from bench.metrics import RequestRecord, summarize
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from bench import common, lookup_ceiling, prompts_spec
 from kvwire import LLM, SamplingParams
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.engine.speculative import SpecConfig
 from kvwire.model.draft_head import is_draft_head, shipped_head

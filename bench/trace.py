@@ -122,7 +122,7 @@ def _complete(spans) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    from kvwire.cli import DEFAULT_MODEL_DIR
+    from kvwire.config import DEFAULT_MODEL_DIR
     from kvwire.tokenizer import ModelTokenizer
     from tools.otlp_receiver import OtlpReceiver
     from tools.stack import Stack

@@ -7,21 +7,23 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from kvwire import cli, metrics, security
-from kvwire.cores import compute_executor
+from kvwire import metrics
+from kvwire_serving import cli, security
+from kvwire_serving.cores import compute_executor
 from kvwire.config import KVDtype, QuantMode
-from kvwire.lazy import Lazy
+from kvwire_serving.lazy import Lazy
 from kvwire.runtime import load_engine
 from kvwire.sampling_params import MAX_SPECULATIVE_TOKENS
-from kvwire.serving import GrpcServer, build_channel
-from kvwire.telemetry import setup_tracing, start_metrics_server
+from kvwire_serving.server import GrpcServer, build_channel
+from kvwire_serving.telemetry import setup_tracing, start_metrics_server
 from kvwire.files import LoadError
 from kvwire.model import gguf
 from kvwire.model.draft_head import is_draft_head, load_for_target, shipped_head
 from kvwire.model.source import eos_token_ids, load_config
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.core import EngineCore
-from kvwire.engine.kv_source import DEFAULT_TRANSFER_TIMEOUT_S, KVSourcePolicy, KVSources, LocalPrefill, RemotePrefill
+from kvwire.engine.kv_source import KVSourcePolicy, KVSources, LocalPrefill
+from decode_svc.remote_prefill import DEFAULT_TRANSFER_TIMEOUT_S, RemotePrefill
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
 from kvwire.engine.speculative import SpecConfig

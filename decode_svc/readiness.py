@@ -21,8 +21,8 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvwire.engine.kv_source import RemotePrefill
-from kvwire.serving import GrpcServer
+from decode_svc.remote_prefill import RemotePrefill
+from kvwire_serving.server import GrpcServer
 
 log = logging.getLogger(__name__)
 

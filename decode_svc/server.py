@@ -7,7 +7,7 @@ import uuid
 from opentelemetry import trace
 
 from kvwire.engine.async_engine import AsyncEngine
-from kvwire.serving import close_when_rpc_ends, deadline_of
+from kvwire_serving.server import close_when_rpc_ends, deadline_of
 from protos import convert as conv
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc

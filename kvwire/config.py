@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+# The embedded model, shipped in the repository: the default wherever a model is optional.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvwire-tiny"
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

@@ -1,6 +1,6 @@
 """The errors a kvwire component raises on purpose, one class per outcome a caller can act on.
 
-grpc-free: the scheduler, runner and codecs raise these; ``kvwire.serving`` maps them to gRPC status
+grpc-free: the scheduler, runner and codecs raise these; ``kvwire_serving.server`` maps them to gRPC status
 codes in one place. Bad user input is ``InvalidRequest`` (INVALID_ARGUMENT); any other exception,
 a bare ``ValueError`` from our own code included, is a bug and becomes INTERNAL. The message is
 sent to the caller verbatim, so make it say what to change.

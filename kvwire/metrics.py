@@ -22,9 +22,9 @@ Who exports what (each service serves only what it records, plus the pool gauges
   transfer time, speculative decoding.
 - prefill_svc: its own KV pool use.
 - every service: ``kvwire:grpc_errors_total`` by method and status code (recorded where errors
-  become statuses, in ``kvwire.serving``), and prometheus_client's ``process_*`` metrics.
+  become statuses, in ``kvwire_serving.server``), and prometheus_client's ``process_*`` metrics.
 
-The metric objects live in the default registry; ``kvwire.telemetry.start_metrics_server`` serves it.
+The metric objects live in the default registry; ``kvwire_serving.telemetry.start_metrics_server`` serves it.
 Every process declares every family (one module). Labelled families have series only where they
 are recorded; the unlabelled ones (the KV transfer's) read 0 in the services that never record them.
 """

@@ -1,5 +1,5 @@
 """prefill_svc: run it with ``python -m prefill_svc``. Importing the package sets the services' OpenMP
-spin (kvwire.cores.service_openmp_env) before anything loads torch."""
-from kvwire.cores import service_openmp_env
+spin (kvwire_serving.cores.service_openmp_env) before anything loads torch."""
+from kvwire_serving.cores import service_openmp_env
 
 service_openmp_env()

@@ -5,13 +5,14 @@ import argparse
 import asyncio
 import logging
 
-from kvwire import cli, metrics, security
-from kvwire.cores import compute_executor
-from kvwire.lazy import Lazy
+from kvwire import metrics
+from kvwire_serving import cli, security
+from kvwire_serving.cores import compute_executor
+from kvwire_serving.lazy import Lazy
 from kvwire.model import gguf
 from kvwire.runtime import load_engine
-from kvwire.serving import GrpcServer
-from kvwire.telemetry import setup_tracing, start_metrics_server
+from kvwire_serving.server import GrpcServer
+from kvwire_serving.telemetry import setup_tracing, start_metrics_server
 from prefill_svc.runner import PrefillRunner
 from prefill_svc.server import PrefillServicer
 from protos.kvwire.v1 import kvwire_pb2_grpc

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvwire.cores import CoreShare, use_threads
+from kvwire_serving.cores import CoreShare, use_threads
 from kvwire.engine.chunked import PrefixPrefill
 from kvwire.engine.prefix_cache import PrefixCache, cache_salt
 from kvwire.errors import ResourceExhausted, never_fits

@@ -34,7 +34,7 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
         self.runtime = runner.runtime
         cfg = runner.runtime.model_config
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings)
-        # the thread that computes (kvwire.cores.compute_executor: the one the model was loaded on)
+        # the thread that computes (kvwire_serving.cores.compute_executor: the one the model was loaded on)
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.active_streams = 0  # Prefill streams past validation and not yet ended
 

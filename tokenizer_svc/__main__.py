@@ -1,7 +1,7 @@
 """``python -m tokenizer_svc --model-dir models/kvwire-tiny --listen 127.0.0.1:50051
 --decode-addr 127.0.0.1:50052``
 
-Tracing is configured by the standard OTEL_* variables (see kvwire.telemetry).
+Tracing is configured by the standard OTEL_* variables (see kvwire_serving.telemetry).
 """
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import logging
 import ssl
 from pathlib import Path
 
-from kvwire import security
+from kvwire_serving import security
 
-from kvwire.cli import run_service
-from kvwire.serving import GrpcServer, build_channel
-from kvwire.telemetry import Telemetry, setup_tracing, start_metrics_server
+from kvwire_serving.cli import run_service
+from kvwire_serving.server import GrpcServer, build_channel
+from kvwire_serving.telemetry import Telemetry, setup_tracing, start_metrics_server
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.openai_http import OpenAIHttpServer

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from kvwire.serving import build_channel
+from kvwire_serving.server import build_channel
 from protos import convert as conv
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc

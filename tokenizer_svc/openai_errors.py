@@ -1,6 +1,6 @@
 """Errors of the OpenAI-compatible door: OpenAI's JSON shape, HTTP statuses from gRPC status codes.
 
-Every failure of the pipeline is first a gRPC status, chosen by ``kvwire.serving.status_for`` (the
+Every failure of the pipeline is first a gRPC status, chosen by ``kvwire_serving.server.status_for`` (the
 project's one exception -> status mapping); this module maps that status to HTTP once, with the
 usual gRPC-HTTP table, so the HTTP and gRPC doors always agree on what went wrong.
 """
@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from kvwire import serving
+from kvwire_serving import server as serving
 
 # gRPC status -> (HTTP status, OpenAI error type): the one mapping (the usual gRPC-HTTP table, but
 # for FAILED_PRECONDITION).

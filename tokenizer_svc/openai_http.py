@@ -29,7 +29,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvwire import errors
-from kvwire.security import TokenSet
+from kvwire_serving.security import TokenSet
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from tokenizer_svc.openai_errors import OpenAIError, invalid, model_not_found
 from tokenizer_svc.openai_protocol import (ParsedRequest, Responder, model_card, models_list, parse_json,

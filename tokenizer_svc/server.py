@@ -3,7 +3,7 @@
 Tokenizes (chat template included), validates, calls ``DecodeService.GenerateTokens`` and streams text
 deltas back as tokens arrive. Stop strings are a text-level notion, so they are handled here: text
 that might begin a stop string is held back, and on a match the text is cut before it and the
-decode call is cancelled. Errors are raised as ``kvwire.errors`` and mapped by ``kvwire.serving``.
+decode call is cancelled. Errors are raised as ``kvwire.errors`` and mapped by ``kvwire_serving.server``.
 
 The front door is bounded: a prompt over ``max_prompt_bytes`` is refused before any tokenizing;
 tokenizing runs on a small thread pool (at most ``tokenize_workers`` at once, the rest wait), never
@@ -25,8 +25,8 @@ import jinja2
 from opentelemetry import trace
 
 from kvwire import errors, metrics
-from kvwire.security import ClientSecurity, ServerSecurity
-from kvwire.serving import DEFAULT_MAX_MESSAGE_BYTES, close_when_rpc_ends
+from kvwire_serving.security import ClientSecurity, ServerSecurity
+from kvwire_serving.server import DEFAULT_MAX_MESSAGE_BYTES, close_when_rpc_ends
 from kvwire.sampling_params import FinishReason
 from kvwire.tokenizer import ChatMessage, ModelTokenizer
 from kvwire.validation import RequestLimits, check_token_ids, validate_request

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from tokenizer_svc.client import stream
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from tools.stack import Stack, free_port

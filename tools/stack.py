@@ -19,7 +19,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvwire.cli import DEFAULT_MODEL_DIR, usable_cpus
+from kvwire.config import DEFAULT_MODEL_DIR
+from kvwire.threads import usable_cpus
 
 REPO = Path(__file__).resolve().parents[1]
 

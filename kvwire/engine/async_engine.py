@@ -6,7 +6,7 @@ ones; one decode step over those runs in the worker thread; ``update()`` hands e
 tokens. Requests join (after their KV is filled) and leave (finished, failed or cancelled) between
 steps. Every runner call goes through one single-thread executor in submission order, so a
 request's pages are freed only after any step, prefill or import already queued for it:
-cancellation at any moment never leaks or reuses a page. With a ``CoreShare`` (decode_svc's
+cancellation at any moment never leaks or reuses a page. With a ``CoreLender`` (decode_svc's
 ``--share-cores``) every runner call (steps, local prefills, imports) computes on every usable
 core while a co-located prefill is idle; decode counts as busy while a call runs or a request decodes.
 """
@@ -16,17 +16,30 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from opentelemetry import trace
 
-from kvwire.cores import CoreShare, use_threads
 from kvwire.engine import speculative as spec
 from kvwire.engine.core import EngineCore
 from kvwire.engine.kv_source import KVSources
 from kvwire.engine.request import RequestOutput, RequestStatus
 from kvwire.sampling_params import KVSourceChoice, SamplingParams
+from kvwire.threads import use_threads
 
 tracer = trace.get_tracer("kvwire.engine")
+
+
+class CoreLender(Protocol):
+    """Threads lent by a co-located service (decode_svc's ``--share-cores``: kvwire_serving.cores.CoreShare)."""
+
+    def busy(self) -> int:
+        """Mark this role computing; returns the threads to compute on."""
+        ...
+
+    def idle(self) -> None:
+        """Mark this role idle: the other may use every core."""
+        ...
 
 
 def merge_queued(first: RequestOutput | BaseException, queue: asyncio.Queue
@@ -55,11 +68,11 @@ def _joined(first: RequestOutput, tokens: list[int] | None, last: RequestOutput)
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, sources: KVSources, cores: CoreShare | None = None,
+    def __init__(self, core: EngineCore, sources: KVSources, cores: CoreLender | None = None,
                  executor: ThreadPoolExecutor | None = None):
         self.core, self.sources, self.cores = core, sources, cores
         self._inflight = 0  # runner calls submitted and not finished (with lent cores)
-        # the runner's thread; pass the one the model was loaded on (kvwire.cores.compute_executor)
+        # the runner's thread; pass the one the model was loaded on (kvwire_serving.cores.compute_executor)
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._admitted: dict[str, asyncio.Event] = {}
         self._outputs: dict[str, asyncio.Queue] = {}

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 import transformers
 
-from kvwire.lazy import Lazy
+from kvwire_serving.lazy import Lazy
 from kvwire.runtime import EngineConfig, load_engine
-from kvwire.serving import GrpcServer, build_channel
+from kvwire_serving.server import GrpcServer, build_channel
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.core import EngineCore
-from kvwire.engine.kv_source import (DEFAULT_TRANSFER_TIMEOUT_S, KVSourcePolicy, KVSources, LocalPrefill,
-                                     RemotePrefill)
+from decode_svc.remote_prefill import DEFAULT_TRANSFER_TIMEOUT_S, RemotePrefill
+from kvwire.engine.kv_source import KVSourcePolicy, KVSources, LocalPrefill
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
 from kvwire.engine.speculative import SpecConfig

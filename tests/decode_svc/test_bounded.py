@@ -131,8 +131,8 @@ async def test_prefill_watch_sets_readiness_and_the_remote_source(follows):
     from grpc_health.v1 import health_pb2
 
     from decode_svc.readiness import DECODE_SERVICE, PrefillWatch
-    from kvwire.engine.kv_source import RemotePrefill
-    from kvwire.serving import GrpcServer, build_channel
+    from decode_svc.remote_prefill import RemotePrefill
+    from kvwire_serving.server import GrpcServer, build_channel
     from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
     from tools.stack import free_port
 

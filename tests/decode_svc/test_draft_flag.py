@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from decode_svc.__main__ import draft_path
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.files import LoadError
 
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from bench import speculative
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 
 
 def test_bench_speculative_every_mode_and_the_peer(tmp_path):

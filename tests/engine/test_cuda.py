@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvwire import LLM, SamplingParams
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.runtime import EngineConfig, load_engine
 

@@ -84,7 +84,7 @@ def test_bad_requests_are_refused_with_actionable_errors(llm):
 
 
 def test_text_in_text_out_with_the_embedded_model():
-    from kvwire.cli import DEFAULT_MODEL_DIR
+    from kvwire.config import DEFAULT_MODEL_DIR
     llm = LLM(DEFAULT_MODEL_DIR, num_pages=64)
     [out] = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out.token_ids) == 8 and out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)

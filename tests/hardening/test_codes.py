@@ -1,11 +1,11 @@
-"""Statuses a caller sees for a peer's failures (kvwire.serving.status_for), over real loopback gRPC."""
+"""Statuses a caller sees for a peer's failures (kvwire_serving.server.status_for), over real loopback gRPC."""
 from __future__ import annotations
 
 import asyncio
 
 import grpc
 
-from kvwire.serving import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, build_channel, status_for
+from kvwire_serving.server import DEFAULT_MAX_MESSAGE_BYTES, GrpcServer, build_channel, status_for
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tools.stack import free_port

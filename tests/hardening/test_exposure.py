@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.cli import DEFAULT_MODEL_DIR
-from kvwire.security import metrics_host
+from kvwire.config import DEFAULT_MODEL_DIR
+from kvwire_serving.security import metrics_host
 from tests.hardening.procs import Service
 from tools.stack import free_port
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tests.hardening.procs import Service

@@ -5,8 +5,8 @@ import asyncio
 
 import aiohttp
 
-from kvwire.cli import DEFAULT_MODEL_DIR
-from kvwire.security import TokenSet
+from kvwire.config import DEFAULT_MODEL_DIR
+from kvwire_serving.security import TokenSet
 from kvwire.tokenizer import ModelTokenizer
 from tokenizer_svc.openai_http import OpenAIHttpServer
 from tokenizer_svc.server import TokenizerServicer

@@ -173,7 +173,7 @@ def test_real_pages_pass_and_each_poison_is_refused_under_a_valid_crc(layer_chun
 def test_real_models_pages_stay_far_inside_the_bounds(name):
     """The bounds refuse no real page: K/V magnitudes over a 700-token prompt of real text
     (printed with -s), on every layer (fp8 pages: scale x 448 bounds each value)."""
-    from kvwire.cli import DEFAULT_MODEL_DIR
+    from kvwire.config import DEFAULT_MODEL_DIR
     from kvwire.kv.wire import MAX_KV_ABS
     from kvwire.model.registry import cached_path, is_cached
     from kvwire.tokenizer import ModelTokenizer

@@ -9,9 +9,9 @@ import sys
 import grpc
 import pytest
 
-from kvwire.cli import DEFAULT_MODEL_DIR
-from kvwire.security import ClientSecurity
-from kvwire.serving import build_channel
+from kvwire.config import DEFAULT_MODEL_DIR
+from kvwire_serving.security import ClientSecurity
+from kvwire_serving.server import build_channel
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tests.hardening.certs import CA
@@ -27,7 +27,7 @@ def _decode_has_tls_flags() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _decode_has_tls_flags(),
-                                reason="decode_svc does not take the TLS flags (kvwire.security) yet")
+                                reason="decode_svc does not take the TLS flags (kvwire_serving.security) yet")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""TLS, mTLS and bearer tokens on a real gRPC server on loopback (kvwire.serving + kvwire.security),
+"""TLS, mTLS and bearer tokens on a real gRPC server on loopback (kvwire_serving.server + kvwire_serving.security),
 with certificates made in the test. The three-service version is test_secure_stack.py."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from kvwire.cli import DEFAULT_MODEL_DIR
-from kvwire.security import ClientSecurity, ServerSecurity, TokenSet
-from kvwire.serving import GrpcServer, build_channel
+from kvwire.config import DEFAULT_MODEL_DIR
+from kvwire_serving.security import ClientSecurity, ServerSecurity, TokenSet
+from kvwire_serving.server import GrpcServer, build_channel
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.generate import generate
 from kvwire.model import registry
 from kvwire.model.source import eos_token_ids

@@ -14,14 +14,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.generate import generate
 from kvwire.runtime import EngineConfig, load_engine
 from kvwire.sampling_params import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from kvwire.cli import usable_cpus
+from kvwire.threads import usable_cpus
 from tools.stack import Stack, split_cpus
 
 PROMPTS = ["The for statement", "The while statement is used for", "A class definition",

@@ -1,4 +1,4 @@
-"""Core lending between co-located services (kvwire.cores, ``--share-cores``): the shared flags,
+"""Core lending between co-located services (kvwire_serving.cores, ``--share-cores``): the shared flags,
 across real processes, and the threads prefill forwards and decode steps really compute with."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvwire import LLM, SamplingParams
-from kvwire.cli import DEFAULT_MODEL_DIR
-from kvwire.cores import CoreShare, use_threads
+from kvwire.config import DEFAULT_MODEL_DIR
+from kvwire_serving.cores import CoreShare, use_threads
 from kvwire.engine.async_engine import AsyncEngine
 from kvwire.engine.kv_source import KVSources
 from prefill_svc.runner import Aborted, PrefillRunner
@@ -42,7 +42,7 @@ def test_each_role_gets_every_core_only_while_the_other_is_idle(tmp_path):
 def test_the_flags_cross_processes_and_a_restarted_role_starts_idle(tmp_path):
     path = tmp_path / "cores"
     mine = CoreShare(path, "decode", own=1, total=2)
-    code = (f"from kvwire.cores import CoreShare; import sys; c = CoreShare({str(path)!r}, 'prefill', 1, 2); "
+    code = (f"from kvwire_serving.cores import CoreShare; import sys; c = CoreShare({str(path)!r}, 'prefill', 1, 2); "
             "print(c.busy()); sys.stdout.flush(); sys.stdin.readline()")
     other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -155,7 +155,7 @@ def test_prefill_stays_marked_busy_between_queued_forwards(llm, tmp_path, restor
 
 _PROMPT_ON_1_AND_2_THREADS = """
 import hashlib, torch, sys
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.runtime import EngineConfig, load_engine
 rt = load_engine(EngineConfig(DEFAULT_MODEL_DIR, weights=QuantMode.NONE, kv_dtype=KVDtype.FP8_E4M3, num_pages=64))
@@ -185,7 +185,7 @@ def test_services_prefill_the_same_bits_on_any_thread_count():
     run = lambda e: subprocess.run([sys.executable, "-c", _PROMPT_ON_1_AND_2_THREADS], env=e, check=True,  # noqa: E731
                                    capture_output=True, text=True).stdout.strip()
     services = dict(env)
-    code = "import os; from kvwire.cores import service_openmp_env; service_openmp_env(); print(os.environ['MKL_CBWR'])"
+    code = "import os; from kvwire_serving.cores import service_openmp_env; service_openmp_env(); print(os.environ['MKL_CBWR'])"
     services["MKL_CBWR"] = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
                                           text=True).stdout.strip()
     assert run(services) == "True"

@@ -41,7 +41,7 @@ def test_freed_blocks_stay_in_the_heap_unless_switched_off():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc")
 def test_loading_a_model_applies_it():
     probe = _PROBE.replace("applied = keep_freed_memory()",
-                           "from kvwire.cli import DEFAULT_MODEL_DIR; from kvwire.runtime import EngineConfig, load_engine; "
+                           "from kvwire.config import DEFAULT_MODEL_DIR; from kvwire.runtime import EngineConfig, load_engine; "
                            "load_engine(EngineConfig(DEFAULT_MODEL_DIR, num_pages=8)); applied = True")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}).stdout.split()

@@ -1,4 +1,4 @@
-"""kvwire.serving against the stock grpc health and reflection clients, on a real loopback server."""
+"""kvwire_serving.server against the stock grpc health and reflection clients, on a real loopback server."""
 import asyncio
 import os
 import signal
@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from kvwire import errors
-from kvwire.serving import GrpcServer, build_channel
+from kvwire_serving.server import GrpcServer, build_channel
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 

@@ -1,9 +1,9 @@
-"""kvwire.telemetry: configured by OTEL_* only, exporting to a real OTLP receiver."""
+"""kvwire_serving.telemetry: configured by OTEL_* only, exporting to a real OTLP receiver."""
 import urllib.request
 
 import pytest
 
-from kvwire.telemetry import TracingConfig, setup_tracing, start_metrics_server
+from kvwire_serving.telemetry import TracingConfig, setup_tracing, start_metrics_server
 from tests.integration.otlp_receiver import OtlpReceiver
 
 

@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from kvwire import cli
+from kvwire_serving import cli
 from tools.stack import Stack, split_cpus
 
 

@@ -4,7 +4,7 @@ import contextlib
 
 import grpc
 
-from kvwire.serving import GrpcServer
+from kvwire_serving.server import GrpcServer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 

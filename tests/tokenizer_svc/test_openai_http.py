@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from kvwire import errors
-from kvwire.serving import build_channel
+from kvwire_serving.server import build_channel
 from kvwire.tokenizer import ChatMessage
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.openai_http import OpenAIHttpServer, split_host_port

@@ -10,7 +10,7 @@ import grpc
 import openai
 import pytest
 
-from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.tokenizer import ChatMessage, ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg

@@ -6,7 +6,7 @@ import gc
 import grpc
 import pytest
 
-from kvwire.serving import GrpcServer, build_channel
+from kvwire_serving.server import GrpcServer, build_channel
 from kvwire.tokenizer import ChatMessage
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc

@@ -11,7 +11,7 @@ at import time):
   ``OTEL_TRACES_SAMPLER[_ARG]``; the batch processor ``OTEL_BSP_*``.
 
 Propagation is OpenTelemetry's default, W3C ``traceparent`` (+ baggage), carried in gRPC metadata
-by the interceptors that ``kvwire.serving`` installs.
+by the interceptors that ``kvwire_serving.server`` installs.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def setup_tracing(default_service_name: str, env: Mapping[str, str] | None = Non
 def start_metrics_server(telemetry: Telemetry, port: int | None, addr: str = "127.0.0.1") -> int | None:
     """Serve Prometheus ``/metrics`` on ``addr:port`` (None = off; 0 = any free port).
 
-    The services pass ``--metrics-host``, else their ``--listen`` host (``kvwire.security.metrics_host``):
+    The services pass ``--metrics-host``, else their ``--listen`` host (``kvwire_serving.security.metrics_host``):
     /metrics is never more exposed than the service itself.
 
     Returns the bound port. The metrics themselves are all defined in ``kvwire.metrics``, named

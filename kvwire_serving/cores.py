@@ -24,6 +24,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvwire.threads import use_threads  # noqa: F401 - the services' import point
+
 ROLES = ("prefill", "decode")
 
 # How long an OpenMP worker spins for more work before it sleeps, for libgomp (torch's and the CPU
@@ -62,12 +64,6 @@ def compute_executor(name: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
 
-def use_threads(n: int) -> None:
-    """Compute with ``n`` threads from now on (torch's count, which the CPU kernels follow)."""
-    import torch
-
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
 
 
 class CoreShare:

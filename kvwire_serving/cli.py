@@ -10,13 +10,14 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvwire.config import KVDtype, QuantMode
+from kvwire.config import DEFAULT_MODEL_DIR, KVDtype, QuantMode
+from kvwire.threads import usable_cpus
 from kvwire.files import LoadError
+from kvwire_serving.cores import CoreShare
 
 if TYPE_CHECKING:  # kvwire.runtime imports torch; the tokenizer service imports this module without it
     from kvwire.runtime import EngineConfig
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvwire-tiny"
 
 
 def add_engine_args(ap: argparse.ArgumentParser, default_pages: int) -> None:
@@ -43,17 +44,6 @@ def add_engine_args(ap: argparse.ArgumentParser, default_pages: int) -> None:
                          "share while both compute (tools/stack.py passes one when it splits the cores)")
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (a
-    Kubernetes CPU limit of 1.5 gives 1: a thread more than the quota is throttled mid-barrier)."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return n
 
 
 def set_threads(args: argparse.Namespace) -> int:
@@ -73,10 +63,8 @@ def core_share(args: argparse.Namespace, role: str, own: int):
     ``own`` threads (what ``set_threads`` returned), or None without the flag."""
     if args.share_cores is None:
         return None
-    from kvwire.cores import CoreShare
-
     share = CoreShare(args.share_cores, role, own=own, total=max(own, usable_cpus()))
-    logging.getLogger("kvwire.cores").info("sharing cores through %s: %d compute threads while the other role "
+    logging.getLogger("kvwire_serving.cores").info("sharing cores through %s: %d compute threads while the other role "
                                            "is idle, %d while both compute", share.path, share.total, share.own)
     return share
 

@@ -35,7 +35,7 @@ from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_serv
 from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
 
 from kvwire import errors, metrics
-from kvwire.security import ClientSecurity, ServerSecurity
+from kvwire_serving.security import ClientSecurity, ServerSecurity
 
 log = logging.getLogger(__name__)
 
