@@ -1,6 +1,6 @@
 """A draft head's greedy proposals in one C call (``kvw_draft_head_chain`` in kvwire_kernels/cpu).
 
-``ModelRunner._propose_head`` chains ``DraftHead.forward`` from Python: per proposal an embedding
+``HeadProposer.draft`` (kvwire.spec.head) chains ``DraftHead.forward`` from Python: per proposal an embedding
 lookup, two norms, three matmuls, the head rows, a softmax and a max, a dozen torch ops. Right
 after a target step has streamed its weights through the caches, each of those ops starts cold
 (0.1-0.2 ms apiece on a 2-core EPYC, against 0.03 warm), so a chain of three proposals took
@@ -66,7 +66,7 @@ class FastHead:
                  stop_below: float) -> tuple[list[list[int]], list[list[float]], int]:
         """features: [S, hidden] (each sequence's f_t), tokens: [S] (its pending token), ks: at most
         this many proposals each. Returns (proposals, their confidences) per sequence and the head
-        evaluations made (the longest chain): what ``_propose_head`` computes for greedy requests."""
+        evaluations made (the longest chain): what ``HeadProposer.draft`` computes for greedy requests."""
         S, kmax = len(tokens), max(ks, default=0)
         feats = features.float().contiguous()  # [S, hidden]
         toks, k = torch.tensor(tokens, dtype=torch.int64), torch.tensor(ks, dtype=torch.int64)
