@@ -2,11 +2,12 @@
 
 Owns the paged KV cache. A sequence's prompt KV gets into its pages one of two ways: computed
 here (``prefill``, the local KV source) or imported page by page from the wire (``import_begin`` /
-``import_chunk``, the remote one); then sequences advance together: one ``step`` runs one batched forward for every decoding
-sequence, one token each, or several for a speculative verification. Not thread-safe by design:
-the engine makes every call from one thread, in submission order, so a sequence is never freed
-under a step or an import. Per-sequence state kept beside the runner's (a speculative draft's:
-``kvwire.spec``) is an ``Attachment``: told of every forward's hidden rows, the warm-up and every free.
+``import_chunk``, the remote one); then sequences advance together: one ``step`` runs one batched
+forward for every decoding sequence, one token each, or several for a speculative verification.
+Not thread-safe by design: the engine makes every call from one thread, in submission order, so a
+sequence is never freed under a step or an import. Per-sequence state kept beside the runner's (a
+speculative draft's, ``kvwire.spec``) is an ``Attachment``: told of every forward's hidden rows,
+the warm-up and every free.
 """
 from __future__ import annotations
 

@@ -27,25 +27,33 @@ class Proposers:
     ngram: Proposer = NgramProposer()
     draft: Proposer | None = None  # a DraftModelProposer or a HeadProposer (attached to the runner)
 
-    def of(self, mode: SpeculativeMode) -> Proposer | None:
-        return self.draft if mode is SpeculativeMode.DRAFT else self.ngram if mode is SpeculativeMode.NGRAM else None
+    def of(self, mode: SpeculativeMode) -> Proposer:
+        proposer = self.ngram if mode is SpeculativeMode.NGRAM else self.draft if mode is SpeculativeMode.DRAFT else None
+        if proposer is None:
+            raise ValueError(f"no proposer for speculative={mode.value}")
+        return proposer
 
 
 def decode_step(runner: ModelRunner, proposers: Proposers, batch: Sequence[Request],
                 cfg: SpecConfig) -> list[tuple[list[int], int]]:
     """One decode iteration over ``batch`` (requests with their KV in place). Returns (tokens to
-    emit, number proposed) per request."""
+    emit, number proposed) per request; the policy's update (``record``, ``observe``) follows
+    once the scheduler has applied them (``EngineCore.update``)."""
     props = propose(runner, proposers, batch, cfg)
     logits = runner.step([r.seq for r in batch], [[r.context[-1], *p.tokens] for r, p in zip(batch, props)])
-    results = []
-    for r, p, rows in zip(batch, props, logits):
-        tokens = verify(rows, p.tokens, p.q, r.params, r.generated)
-        if p.tokens:
-            runner.keep(r.seq, len(tokens))  # the fed token + the accepted proposals
-        if r.spec is not None:
-            proposers.of(r.spec.mode).verified(r, len(tokens))
-        results.append((tokens, len(p.tokens)))
-    return results
+    emitted = [verify(rows, p.tokens, p.q, r.params, r.generated) for r, p, rows in zip(batch, props, logits)]
+    for r, p, tokens in zip(batch, props, emitted):
+        rollback(runner, proposers, r, len(p.tokens), len(tokens))
+    return [(tokens, len(p.tokens)) for tokens, p in zip(emitted, props)]
+
+
+def rollback(runner: ModelRunner, proposers: Proposers, req: Request, proposed: int, emitted: int) -> None:
+    """Keep the fed token and the accepted proposals in the target's cache and the proposer's
+    state (the draft's cache, the head's feature); drop the rest."""
+    if proposed:
+        runner.keep(req.seq, emitted)
+    if req.spec is not None:
+        proposers.of(req.spec.mode).verified(req, emitted)
 
 
 def propose(runner: ModelRunner, proposers: Proposers, batch: Sequence[Request], cfg: SpecConfig) -> list[Proposal]:
