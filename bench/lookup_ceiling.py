@@ -7,7 +7,7 @@ proposes exactly the tokens of the lookup's continuation that greedy decoding wi
 most ``k``), so no row is ever wasted on a rejected proposal, and pays the measured price of those
 rows. Two lookups:
 
-* ``latest``: the engine's (``kvwire.engine.ngram.ngram_match``: the longest suffix match, its
+* ``latest``: the engine's (``kvwire.spec.ngram.ngram_match``: the longest suffix match, its
   latest occurrence), so the bound for any policy that sizes those proposals;
 * ``any_match``: the best continuation among every earlier occurrence of the context's last token
   (as if every candidate could be verified at the price of one), a bound for smarter candidate choice.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvwire.engine.ngram import ngram_match
+from kvwire.spec.ngram import ngram_match
 
 
 def _agree(cont: Sequence[int], truth: Sequence[int]) -> int:

@@ -45,15 +45,19 @@ from bench import common, lookup_ceiling, prompts_spec
 from kvwire import LLM, SamplingParams
 from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
-from kvwire.engine.speculative import SpecConfig
 from kvwire.model.draft_head import is_draft_head, shipped_head
+from kvwire.spec import SpecConfig, Tuned
 
 
 class Timer:
-    """Adds up the time spent in a bound method (the runner's drafting and target forwards)."""
+    """Adds up the time spent in a bound method (the draft's drafting, the runner's target forwards);
+    ``obj`` None: nothing to time (no draft)."""
 
     def __init__(self, obj, name: str):
-        self.seconds, inner = 0.0, getattr(obj, name)
+        self.seconds = 0.0
+        if obj is None:
+            return
+        inner = getattr(obj, name)
 
         def timed(*a, **kw):
             t = time.perf_counter()
@@ -126,10 +130,12 @@ def decode(llm: LLM, timers: dict[str, Timer], row: Row, prompts: list[list[int]
     for r in reqs:
         row.tokens += len(r.output_ids) - 1
         row.req_steps += r.steps
-        row.drafted, row.accepted, row.spec_steps = row.drafted + r.drafted, row.accepted + r.accepted, \
-            row.spec_steps + r.spec_steps
-        row.turned_off += r.turned_off > 0
-        row.turned_on += r.turned_on > 0
+        if r.spec is not None:
+            s = r.spec
+            row.drafted, row.accepted, row.spec_steps = row.drafted + s.drafted, row.accepted + s.accepted, \
+                row.spec_steps + s.spec_steps
+            row.turned_off += s.turned_off > 0
+            row.turned_on += s.turned_on > 0
         row.requests += 1
         row.outputs.append(r.output_ids)
         row.prompts.append(r.prompt)
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     texts = {"grounded": prompts_spec.grounded(tok, args.prompts, args.context),
              "chat": prompts_spec.chat(args.prompts)}
     prompts = {t: [prompts_spec.encode(tok, x) for x in texts[t]] for t in args.tasks.split(",")}
-    timers = {"draft": Timer(llm.core.runner, "propose"), "target": Timer(llm.core.runner, "step")}
+    timers = {"draft": Timer(llm.core.draft, "draft"), "target": Timer(llm.core.runner, "step")}
     batches = [int(b) for b in args.batches.split(",")]
     rows = {(t, b, m): Row(t, b, m) for t in prompts for b in batches for m in modes}
     for m in modes:  # one untimed warm-up decode per mode
@@ -257,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     # prompt lookup's best case at these row prices, replayed over the plain outputs (bench/lookup_ceiling.py)
     ceilings = {}
     if 1 in batches and "none" in modes and not args.temperature:
-        extra, spec = cost.extras(1, args.ngram_k, SpecConfig.ngram_cost), llm.core.spec_cfg
+        extra, spec = cost.extras(1, args.ngram_k, Tuned.ngram_cost), llm.core.spec_cfg
         for t in prompts:
             base = rows[t, 1, "none"]
             ceilings[t] = {lk: round(lookup_ceiling.ceiling(list(zip(base.prompts, base.outputs)), extra, args.ngram_k,

@@ -26,8 +26,8 @@ from kvwire.engine.kv_source import KVSourcePolicy, KVSources, LocalPrefill
 from decode_svc.remote_prefill import DEFAULT_TRANSFER_TIMEOUT_S, RemotePrefill
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
-from kvwire.engine.speculative import SpecConfig
 from kvwire.sampling_params import SpeculativeMode
+from kvwire.spec import SpecConfig, attach_draft
 from decode_svc.readiness import PrefillWatch
 from decode_svc.server import DecodeServicer
 from protos.kvwire.v1 import kvwire_pb2_grpc
@@ -50,14 +50,15 @@ async def serve(args: argparse.Namespace) -> None:
     engine = await loop.run_in_executor(compute, load_engine, engine_cfg)
     eos = eos_token_ids(engine_cfg.model_dir, engine.model_config)  # no tokenizer.json needed
     draft = await loop.run_in_executor(compute, load_draft, args, engine_cfg, engine)
-    runner = ModelRunner(engine, engine_cfg.num_pages, draft, prefix_caching=args.prefix_caching)
+    runner = ModelRunner(engine, engine_cfg.num_pages, prefix_caching=args.prefix_caching)
+    drafter = attach_draft(runner, draft)  # before warm_up: the draft's paths are warmed up with the runner's
     await loop.run_in_executor(compute, runner.warm_up)
     gguf.forget_readers()  # everything read from a GGUF model file is loaded by now
     spec_cfg = SpecConfig(mode=SpeculativeMode(args.speculative), num_tokens=args.num_speculative_tokens,
                           adaptive=args.adaptive_speculation, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                           auto_off=args.speculative_auto_off, greedy_max_batch=args.speculative_greedy_max_batch)
     core = EngineCore(runner, SchedulerConfig(total_pages=engine_cfg.num_pages, max_waiting=args.max_waiting,
-                                              max_running=args.max_running), spec_cfg, eos)
+                                              max_running=args.max_running), spec_cfg, eos, draft=drafter)
     # Without --prefill-addr every prompt prefills here; with it, KVSources picks per request.
     channel = build_channel(args.prefill_addr, security=security.client_security(args, "prefill")) if args.prefill_addr else None
     remote = RemotePrefill(runner, kvwire_pb2_grpc.PrefillServiceStub(channel), channel,

@@ -115,8 +115,9 @@ def run(llm: LLM, ids: list[int], params: SamplingParams) -> dict:
             t0, first = time.perf_counter(), False
         if done:
             break
-    return {"tokens": out, "seconds": time.perf_counter() - t0, "drafted": req.drafted, "accepted": req.accepted,
-            "steps": req.steps}
+    spec = req.spec  # None: plain decoding
+    return {"tokens": out, "seconds": time.perf_counter() - t0, "drafted": spec.drafted if spec else 0,
+            "accepted": spec.accepted if spec else 0, "steps": req.steps}
 
 
 @torch.inference_mode()
@@ -152,7 +153,7 @@ def main():
     torch.set_num_threads(args.threads)
     reader = kvgguf.open_gguf(model_source(args.draft).gguf)
     head = torch.tensor(kvgguf.field(reader, "kvwire.draft.head_vocab"), dtype=torch.long)
-    drafts = {"draft": llm.core.runner.draft}  # loaded by LLM, quantized as --draft-weights says
+    drafts = {"draft": llm.core.draft.runtime}  # loaded by LLM, quantized as --draft-weights says
     if args.reduced_head:
         drafts["draft_reduced_head"] = load_draft(args.draft, args.draft_weights, head, 16, 1024)
     draft_model = drafts["draft"].model
@@ -169,7 +170,7 @@ def main():
             outs = {}
             for m in modes:
                 if m in drafts:
-                    llm.core.runner.draft = drafts[m]
+                    llm.core.draft.runtime = drafts[m]
                 sp = SamplingParams(max_tokens=args.max_tokens, speculative="none" if m == "none" else "draft",
                                     num_speculative_tokens=None if m == "none" else args.k)
                 r = run(llm, ids, sp)

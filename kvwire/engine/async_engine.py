@@ -20,11 +20,11 @@ from typing import Protocol
 
 from opentelemetry import trace
 
-from kvwire.engine import speculative as spec
 from kvwire.engine.core import EngineCore
 from kvwire.engine.kv_source import KVSources
 from kvwire.engine.request import RequestOutput, RequestStatus
 from kvwire.sampling_params import KVSourceChoice, SamplingParams
+from kvwire.spec.state import report
 from kvwire.threads import use_threads
 
 tracer = trace.get_tracer("kvwire.engine")
@@ -145,7 +145,7 @@ class AsyncEngine:
             self.executor.submit(self.core.runner.free, req.seq)  # after anything queued for it
             if decode_span is not None:
                 decode_span.set_attributes({"gen_ai.usage.output_tokens": req.generated,
-                                            "kvwire.decode.steps": req.steps, **spec.report(req)})
+                                            "kvwire.decode.steps": req.steps, **report(req)})
                 decode_span.end()
             self._work.set()  # its reservation is back: admission may proceed
 

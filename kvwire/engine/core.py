@@ -11,19 +11,23 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from kvwire.engine import speculative as spec
 from kvwire.engine.request import Request, RequestOutput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvwire.errors import FailedPrecondition, InvalidRequest
 from kvwire.sampling_params import KVSourceChoice, SamplingParams, SpeculativeMode
+from kvwire.spec import DraftProposer, Proposers, SpecConfig, decode_step
+from kvwire.spec.state import new_state, observe, record
 from kvwire.validation import RequestLimits, validate_request
 
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler_cfg: SchedulerConfig | None = None,
-                 spec_cfg: spec.SpecConfig = spec.SpecConfig(), eos_ids: Iterable[int] = ()):
-        self.runner, self.spec_cfg = runner, spec_cfg
+                 spec_cfg: SpecConfig = SpecConfig(), eos_ids: Iterable[int] = (),
+                 draft: DraftProposer | None = None):
+        """``draft``: the draft model's or head's proposer, attached to ``runner`` (``kvwire.spec.attach_draft``)."""
+        self.runner, self.spec_cfg, self.draft = runner, spec_cfg, draft
+        self.proposers = Proposers(draft=draft)
         cache = runner.cache
         self.scheduler = Scheduler(scheduler_cfg or SchedulerConfig(total_pages=cache.pool.num_pages),
                                    cache.tables.max_pages)
@@ -39,20 +43,16 @@ class EngineCore:
         """Validate and queue; raises InvalidRequest / FailedPrecondition / ResourceExhausted."""
         validate_request(prompt, params, self.limits)
         mode = params.speculative or self.spec_cfg.mode
-        if mode is SpeculativeMode.DRAFT and self.runner.draft is None:
+        if mode is SpeculativeMode.DRAFT and self.draft is None:
             raise FailedPrecondition("speculative=draft: this engine has no draft model loaded (decode_svc: "
                                      "--draft-model-dir DIR); use speculative=ngram or none")
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already running")
         k = 0 if mode is SpeculativeMode.NONE else params.num_speculative_tokens or self.spec_cfg.num_tokens
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        # an adaptive draft starts small (adapt_k grows it); n-gram sizes each proposal itself (lookup_length)
-        # a draft head's confidence sizes each proposal itself (speculative.head_proposal)
-        by_confidence = mode is SpeculativeMode.DRAFT and self.runner.head is not None
-        first_k = min(k, self.spec_cfg.first_k) if self.spec_cfg.adaptive and mode is SpeculativeMode.DRAFT \
-            and not by_confidence else k
-        req = Request(request_id, next(self._seq_ids), list(prompt), params, stops, mode, k_max=k,
-                      kv_source=KVSourceChoice(kv_source), k=first_k, by_confidence=by_confidence)
+        by_confidence = mode is SpeculativeMode.DRAFT and self.draft.by_confidence
+        req = Request(request_id, next(self._seq_ids), list(prompt), params, stops,
+                      new_state(mode, k, self.spec_cfg, by_confidence), kv_source=KVSourceChoice(kv_source))
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
@@ -66,17 +66,17 @@ class EngineCore:
 
     def execute(self, batch: ScheduledBatch) -> list[tuple[list[int], int]]:
         """One decode step over ``batch.decode`` (call on the runner's thread)."""
-        return spec.decode_step(self.runner, batch.decode, self.spec_cfg)
+        return decode_step(self.runner, self.proposers, batch.decode, self.spec_cfg)
 
     def update(self, batch: ScheduledBatch, results: list[tuple[list[int], int]]) -> list[RequestOutput]:
         self.total_steps += 1
         for req, (tokens, proposed) in zip(batch.decode, results):
             if proposed and not req.finished:
-                spec.record(req, proposed, len(tokens) - 1, self.spec_cfg)
+                record(req, proposed, len(tokens) - 1, self.spec_cfg)
         outputs = self.scheduler.update(batch, [tokens for tokens, _ in results])
         if self.spec_cfg.auto_off:
             for req in batch.decode:
-                spec.observe(req, self.spec_cfg)
+                observe(req, self.spec_cfg)
         return outputs
 
     def release(self, req: Request) -> None:

@@ -23,10 +23,10 @@ from kvwire.engine.kv_source import LocalPrefill
 from kvwire.engine.request import Completion, RequestOutput
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
-from kvwire.engine.speculative import SpecConfig
 from kvwire.model.draft_head import is_draft_head, load_for_target
 from kvwire.runtime import EngineConfig, load_engine
 from kvwire.sampling_params import SamplingParams, SpeculativeMode
+from kvwire.spec import SpecConfig, attach_draft
 
 Prompt = str | Sequence[int]
 
@@ -69,10 +69,11 @@ class LLM:
                                              num_pages=num_pages, device=device))
         self.tokenizer = self._tokenizer(cfg.model_dir)
         eos = set(self.runtime.model_config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
-        runner = ModelRunner(self.runtime, num_pages, draft, prefix_caching=prefix_caching)
+        runner = ModelRunner(self.runtime, num_pages, prefix_caching=prefix_caching)
         self.core = EngineCore(runner, SchedulerConfig(num_pages, max_running, max_waiting),
                                SpecConfig(mode=SpeculativeMode(speculative), num_tokens=num_speculative_tokens,
-                                          adaptive=speculative_adaptive, auto_off=speculative_auto_off), eos)
+                                          adaptive=speculative_adaptive, auto_off=speculative_auto_off), eos,
+                               draft=attach_draft(runner, draft))
         self.kv_source = LocalPrefill(runner)
 
     @staticmethod

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvwire.sampling_params import FinishReason, KVSourceChoice, SamplingParams, SpeculativeMode
+from kvwire.sampling_params import FinishReason, KVSourceChoice, SamplingParams
+
+if TYPE_CHECKING:
+    from kvwire.spec.state import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -26,28 +30,13 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     stops: frozenset[int]  # token ids that end it (stop_token_ids, plus EOS unless ignore_eos)
-    mode: SpeculativeMode  # resolved: the request's or the engine's default
-    k_max: int  # proposals per step at most (0 when mode is NONE)
+    spec: SpecState | None = None  # speculative decoding's state and counters (None: plain decoding)
     kv_source: KVSourceChoice = KVSourceChoice.AUTO
     reserved_pages: int = 0  # set by the scheduler (the block tables' max_pages)
     status: RequestStatus = RequestStatus.WAITING
     context: list[int] = field(default_factory=list)  # prompt + generated; the last one not yet fed
     generated: int = 0
     steps: int = 0  # decode steps taken
-    k: int = 0  # proposals next step (adapted to acceptance)
-    by_confidence: bool = False  # a draft head's request: its confidence sizes each proposal, k stays k_max
-    spec_steps: int = 0  # steps that verified at least one proposal
-    drafted: int = 0
-    accepted: int = 0
-    # running means of tokens per verification and its cost (plain steps), verifications counted; since the last switch
-    meter: tuple[float, float, int] = (0.0, 0.0, 0)
-    costs: list[float] = field(default_factory=lambda: [0.0])  # what 0, 1, .. proposals add to this step (plain steps)
-    off_until: int = 0  # no proposals while steps < off_until (speculation turned off: low acceptance)
-    turned_off: int = 0  # times speculation was turned off for low acceptance
-    turned_on: int = 0  # times it was turned back on (n-gram: shadow acceptance reached break-even)
-    shadow: tuple[list[int], int] | None = None  # while off (n-gram): (lookup's proposal, its context index)
-    # the n-gram lookup's last answer: ((context length, max_n, min_n), (n, start)); a step asks up to three times
-    lookup: tuple[tuple[int, int, int], tuple[int, int]] | None = None
     finish_reason: FinishReason | None = None
     kv_source_used: str = ""  # "local" | "remote", once filled (for traces and tests)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed, not sent)

@@ -52,7 +52,8 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queue a request, or raise ResourceExhausted saying why it cannot be queued."""
-        need = self.reservation(len(req.prompt), req.params.max_tokens, req.k_max)
+        lookahead = req.spec.k_max if req.spec is not None else 0  # a verification's proposals
+        need = self.reservation(len(req.prompt), req.params.max_tokens, lookahead)
         if need > self.cfg.total_pages:
             raise never_fits(f"request needs {need} KV pages ({len(req.prompt)} prompt + {req.params.max_tokens} "
                              f"max tokens) but the decode pool has {self.cfg.total_pages}")

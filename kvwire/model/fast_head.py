@@ -1,10 +1,8 @@
 """A draft head's greedy proposals in one C call (``kvw_draft_head_chain`` in kvwire_kernels/cpu).
 
-``ModelRunner._propose_head`` chains ``DraftHead.forward`` from Python: per proposal an embedding
-lookup, two norms, three matmuls, the head rows, a softmax and a max, a dozen torch ops. Right
-after a target step has streamed its weights through the caches, each of those ops starts cold
-(0.1-0.2 ms apiece on a 2-core EPYC, against 0.03 warm), so a chain of three proposals took
-about 1 ms, a sixth of a plain SmolLM2 step. ``FastHead`` runs the same chain in C: the same
+Chained from Python (``kvwire.spec.head.HeadProposer``'s fallback), a proposal is a dozen torch
+ops, each starting cold right after a target step (see docs/decisions/023-draft-head.md).
+``FastHead`` runs the same chain in C: the same
 matmul kernels on the same weights (``fast_decode.linear_desc``), the C RMSNorm and SiLU the fused
 decode step uses, the argmax and softmax's top probability computed over the head vocabulary.
 A sampling chain draws each proposal in Python (from the head vocabulary's distribution, with the
@@ -66,7 +64,7 @@ class FastHead:
                  stop_below: float) -> tuple[list[list[int]], list[list[float]], int]:
         """features: [S, hidden] (each sequence's f_t), tokens: [S] (its pending token), ks: at most
         this many proposals each. Returns (proposals, their confidences) per sequence and the head
-        evaluations made (the longest chain): what ``_propose_head`` computes for greedy requests."""
+        evaluations made (the longest chain): what ``HeadProposer.draft`` computes for greedy requests."""
         S, kmax = len(tokens), max(ks, default=0)
         feats = features.float().contiguous()  # [S, hidden]
         toks, k = torch.tensor(tokens, dtype=torch.int64), torch.tensor(ks, dtype=torch.int64)

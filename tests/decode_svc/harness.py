@@ -21,7 +21,7 @@ from decode_svc.remote_prefill import DEFAULT_TRANSFER_TIMEOUT_S, RemotePrefill
 from kvwire.engine.kv_source import KVSourcePolicy, KVSources, LocalPrefill
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
-from kvwire.engine.speculative import SpecConfig
+from kvwire.spec import SpecConfig, attach_draft
 from decode_svc.server import DecodeServicer
 from prefill_svc.runner import PrefillRunner
 from prefill_svc.server import PrefillServicer
@@ -79,14 +79,15 @@ class Harness:
         port = await self.prefill_server.start("127.0.0.1:0")
         engine = load_engine(dataclasses.replace(self.cfg, num_pages=self.decode_pages))
         draft = load_engine(self.draft_cfg) if self.draft_cfg is not None else None
-        runner = ModelRunner(engine, self.decode_pages, draft, prefix_caching=self.prefix_caching)
+        runner = ModelRunner(engine, self.decode_pages, prefix_caching=self.prefix_caching)
+        drafter = attach_draft(runner, draft)
         runner.warm_up()
         addr = f"127.0.0.1:{port}" if self.prefill_addr is None else self.prefill_addr
         self.channel = build_channel(addr, tracing=False) if addr else None
         self.remote = RemotePrefill(runner, pbg.PrefillServiceStub(self.channel), self.channel,
                                     transfer_timeout_s=self.transfer_timeout_s) if addr else None
         core = EngineCore(runner, SchedulerConfig(self.decode_pages, max_waiting=self.max_waiting),
-                          self.spec_config)
+                          self.spec_config, draft=drafter)
         self.engine = AsyncEngine(core, KVSources(LocalPrefill(runner), self.remote, self.policy))
         self.engine.start()
         lazy = Lazy(DecodeServicer, "decode_svc")

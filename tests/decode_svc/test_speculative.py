@@ -15,10 +15,11 @@ from kvwire.runtime import EngineConfig, load_engine
 from kvwire.sampler import probabilities
 from kvwire.sampling_params import SamplingParams, SpeculativeMode
 from kvwire.engine import async_engine as engine_mod
-from kvwire.engine import speculative as spec
 from kvwire.engine.core import EngineCore
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
+from kvwire.spec import HeadProposer, SpecConfig, attach_draft
+from kvwire.spec import ngram, state, verify
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from tests.decode_svc.harness import Harness, tiny_model
 
@@ -48,27 +49,27 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def test_ngram_propose_latest_longest_match():
     ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert spec.ngram_propose(ctx, 3) == [7, 8, 5]  # "2 3" matched at its latest earlier place
-    assert spec.ngram_propose(ctx, 1) == [7]
-    assert spec.ngram_propose([4, 5, 6, 4, 5], 4) == [6, 4, 5]  # continuation stops at the end
-    assert spec.ngram_propose([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert spec.ngram_propose([5, 6, 5, 9, 7, 6, 5], 2, max_n=2) == [9, 7]  # "6 5" beats "5"
-    assert spec.ngram_propose([7], 3) == [] and spec.ngram_propose([1, 1], 0) == []
+    assert ngram.ngram_propose(ctx, 3) == [7, 8, 5]  # "2 3" matched at its latest earlier place
+    assert ngram.ngram_propose(ctx, 1) == [7]
+    assert ngram.ngram_propose([4, 5, 6, 4, 5], 4) == [6, 4, 5]  # continuation stops at the end
+    assert ngram.ngram_propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert ngram.ngram_propose([5, 6, 5, 9, 7, 6, 5], 2, max_n=2) == [9, 7]  # "6 5" beats "5"
+    assert ngram.ngram_propose([7], 3) == [] and ngram.ngram_propose([1, 1], 0) == []
 
 
 def test_accept_greedy_prefix_then_correction_or_bonus():
     logits = torch.zeros(4, 10)
     for row, best in enumerate([3, 5, 7, 2]):
         logits[row, best] = 1.0
-    assert spec.accept_greedy(logits, [3, 5, 7]) == [3, 5, 7, 2]  # all accepted + bonus
-    assert spec.accept_greedy(logits, [3, 6, 7]) == [3, 5]  # first mismatch gets the target's argmax
-    assert spec.accept_greedy(logits[:1], []) == [3]
+    assert verify.accept_greedy(logits, [3, 5, 7]) == [3, 5, 7, 2]  # all accepted + bonus
+    assert verify.accept_greedy(logits, [3, 6, 7]) == [3, 5]  # first mismatch gets the target's argmax
+    assert verify.accept_greedy(logits[:1], []) == [3]
 
 
 def test_adapt_k():
-    assert spec.adapt_k(4, 4, 4, 6) == 6 and spec.adapt_k(4, 4, 4, 5) == 5
-    assert spec.adapt_k(4, 4, 1, 8) == 3 and spec.adapt_k(1, 1, 0, 8) == 1
-    assert spec.adapt_k(3, 0, 0, 8) == 3  # no proposal this step: unchanged
+    assert state.adapt_k(4, 4, 4, 6) == 6 and state.adapt_k(4, 4, 4, 5) == 5
+    assert state.adapt_k(4, 4, 1, 8) == 3 and state.adapt_k(1, 1, 0, 8) == 1
+    assert state.adapt_k(3, 0, 0, 8) == 3  # no proposal this step: unchanged
 
 
 @pytest.mark.parametrize("point_mass", [False, True])
@@ -86,10 +87,10 @@ def test_acceptance_rule_preserves_the_target_distribution(point_mass):
         if point_mass:
             proposed, draft = [0, 1], None
         else:
-            g = spec.draft_generator(seed, 0)
+            g = verify.draft_generator(seed, 0)
             proposed = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
             draft = q
-        out = spec.accept_sampled(p_logits, proposed, draft, params, first_step=0)
+        out = verify.accept_sampled(p_logits, proposed, draft, params, first_step=0)
         first[out[0]] += 1
         if len(out) > 1:
             second[out[1]] += 1
@@ -113,7 +114,7 @@ async def test_greedy_speculative_equals_plain_greedy_batched(models):
              dict(speculative=SM.SPECULATIVE_MODE_DRAFT, num_speculative_tokens=2), dict(speculative=SM.SPECULATIVE_MODE_NONE),
              dict(speculative=SM.SPECULATIVE_MODE_NGRAM, num_speculative_tokens=7), dict()]  # last: the service default
     async with Harness(cfg, draft_cfg=EngineConfig(model_dir=draft, kv_dtype=KVDtype.BF16),
-                       spec_config=spec.SpecConfig(mode=SpeculativeMode.DRAFT, num_tokens=3,
+                       spec_config=SpecConfig(mode=SpeculativeMode.DRAFT, num_tokens=3,
                                                    greedy_max_batch=0)) as h:
         for rnd in range(2):  # concurrently (one shared batch), then one at a time
             if rnd == 0:
@@ -124,7 +125,7 @@ async def test_greedy_speculative_equals_plain_greedy_batched(models):
             for prompt, exp, out in zip(PROMPTS, expected, outs):
                 assert out == exp, f"prompt of {len(prompt)} tokens"
         assert await h.pools_back_to(64, 128)
-        assert h.engine.core.runner.draft_cache.stats()["used"] == 0
+        assert h.engine.core.draft.cache.stats()["used"] == 0
 
 
 async def test_fp8_exact_verification_matches_plain_decode_logits(models):
@@ -164,7 +165,8 @@ def _engine(target_dir, draft_dir, scale: float) -> EngineCore:
     drf = load_engine(EngineConfig(model_dir=draft_dir, kv_dtype=KVDtype.BF16))
     for e in (tgt, drf):  # sharpen the random models' flat logits so draft and target disagree
         e.model.lm_head.weight.mul_(scale)
-    return EngineCore(ModelRunner(tgt, 2048, drf), SchedulerConfig(2048, max_running=1000, max_waiting=1000))
+    runner = ModelRunner(tgt, 2048)
+    return EngineCore(runner, SchedulerConfig(2048, max_running=1000, max_waiting=1000), draft=attach_draft(runner, drf))
 
 
 def _sample_tokens(core: EngineCore, prompt, params, n_requests, n_tokens):
@@ -202,19 +204,20 @@ def _engine_with_head(target_dir, head_dir, scale: float) -> EngineCore:
     tgt.model.lm_head.weight.mul_(scale)
     head = load_for_target(head_dir, tgt, QuantMode.NONE)
     head.head.weight.mul_(scale)
-    return EngineCore(ModelRunner(tgt, 2048, head), SchedulerConfig(2048, max_running=1000, max_waiting=1000),
-                      spec.SpecConfig(adaptive=False, auto_off=False))
+    runner = ModelRunner(tgt, 2048)
+    return EngineCore(runner, SchedulerConfig(2048, max_running=1000, max_waiting=1000),
+                      SpecConfig(adaptive=False, auto_off=False), draft=attach_draft(runner, head))
 
 
 @pytest.mark.parametrize("mode", ["draft", "ngram", "head"])
 def test_speculative_sampling_matches_plain_sampling_distribution(tmp_path, mode):
     target = tiny_model(tmp_path / "t", vocab_size=12)
     if mode == "head":
-        from tests.engine.test_draft_head import make_head
+        from tests.engine.test_head_proposer import make_head
         core = _engine_with_head(target, make_head(target, tmp_path / "h", seed=3), scale=6.0)
         proposals = []
-        inner = core.runner.propose
-        core.runner.propose = lambda *a: proposals.append(len(a[0])) or inner(*a)  # sequences drafting
+        inner = core.draft.draft
+        core.draft.draft = lambda *a: proposals.append(len(a[0])) or inner(*a)  # sequences drafting
         mode = "draft"
     else:
         draft = tiny_model(tmp_path / "d", seed=5, vocab_size=12, hidden_size=32, num_layers=1)
@@ -234,10 +237,10 @@ def test_speculative_sampling_matches_plain_sampling_distribution(tmp_path, mode
         pooled = (plain[j] + specd[j]) / (2 * n)
         assert chi2_pvalue(specd[j], pooled) > 1e-4, (j, plain[j], specd[j])
     assert core.runner.cache.stats()["used"] == 0
-    if core.runner.head is not None:
-        assert sum(proposals) > 400 and not core.runner.features  # the head proposed; nothing of it is left
+    if isinstance(core.draft, HeadProposer):
+        assert sum(proposals) > 400 and not core.draft.features  # the head proposed; nothing of it is left
     else:
-        assert core.runner.draft_cache.stats()["used"] == 0
+        assert core.draft.cache.stats()["used"] == 0
 
 
 async def test_seeded_speculative_sampling_is_reproducible_across_batches(models):

@@ -36,7 +36,7 @@ def test_bench_speculative_ngram_without_a_draft(tmp_path):
 def test_bench_speculative_with_a_draft_head(tmp_path):
     """A draft head is benched like a draft model; transformers' assisted generation needs a draft
     model, so the peer runs its plain and prompt-lookup modes only."""
-    from tests.engine.test_draft_head import make_head
+    from tests.engine.test_head_proposer import make_head
     head = make_head(DEFAULT_MODEL_DIR, tmp_path / "head")
     report = speculative.main(["--draft-model-dir", str(head), "--prompts", "1", "--max-tokens", "6",
                                "--batches", "1", "--tasks", "chat", "--out", str(tmp_path)])

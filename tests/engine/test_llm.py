@@ -95,9 +95,9 @@ def test_the_draft_is_quantized_like_the_target_unless_told(model_dir, tmp_path)
     from kvwire.model.quant import Int8Linear
     draft = tiny_model(tmp_path / "draft", seed=1, hidden_size=32, num_layers=1)
     llm = LLM(model_dir, num_pages=128, draft_model=draft, speculative="draft")
-    rt = llm.core.runner.draft
+    rt = llm.core.draft.runtime
     assert rt.cfg.weights is QuantMode.INT8 and any(isinstance(m, Int8Linear) for m in rt.model.modules())
-    fp32 = LLM(model_dir, num_pages=128, draft_model=draft, draft_weights="none").core.runner.draft
+    fp32 = LLM(model_dir, num_pages=128, draft_model=draft, draft_weights="none").core.draft.runtime
     assert fp32.cfg.weights is QuantMode.NONE and not any(isinstance(m, Int8Linear) for m in fp32.model.modules())
     llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, greedy_max_batch=0, auto_off=False)
     plain = llm.generate(PROMPTS, SamplingParams(max_tokens=12, speculative="none"))
@@ -106,4 +106,4 @@ def test_the_draft_is_quantized_like_the_target_unless_told(model_dir, tmp_path)
     while llm.has_unfinished():
         llm.step()
     assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
-    assert sum(r.drafted for r in reqs) > 0 and llm.stats()["used"] == 0
+    assert sum(r.spec.drafted for r in reqs) > 0 and llm.stats()["used"] == 0

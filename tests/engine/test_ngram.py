@@ -3,16 +3,17 @@ the measured row price (StepCost)."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 
 from kvwire import SamplingParams
-from kvwire.engine import speculative as spec
-from kvwire.engine.ngram import lookup_length, ngram_match
 from kvwire.engine.request import Request
 from kvwire.engine.step_cost import StepCost
 from kvwire.sampling_params import SpeculativeMode
+from kvwire.spec import SpecConfig, SpecState, Tuned
+from kvwire.spec import ngram as spec
+from kvwire.spec.ngram import lookup_length, ngram_match
+from kvwire.spec.state import row_costs
 
 
 def test_ngram_match_finds_the_longest_suffix_at_its_latest_place():
@@ -47,21 +48,21 @@ def test_lookup_length_grows_with_the_match_and_shrinks_with_the_price():
 
 def _req(greedy=True, mode=SpeculativeMode.NGRAM) -> Request:
     params = SamplingParams(max_tokens=100) if greedy else SamplingParams(max_tokens=100, temperature=1.0, seed=3)
-    return Request("r", 0, [1], params, frozenset(), mode, k_max=8, k=8, generated=1)
+    return Request("r", 0, [1], params, frozenset(), SpecState(mode, k_max=8, k=8), generated=1)
 
 
 def test_ngram_proposal_sizes_itself_from_the_match():
-    cfg = spec.SpecConfig()
+    cfg = SpecConfig()
     req = _req()
     req.context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 40, 1, 2, 3, 4]
-    req.costs = _lin(0.3, 8)
+    req.spec.costs = _lin(0.3, 8)
     assert spec.ngram_proposal(req, 8, cfg) == [5, 6]  # 4-token match: s = 0.75, 2 make the most
-    assert spec.ngram_proposal(req, 8, dataclasses.replace(cfg, ngram_miss=0.8)) == [5, 6, 7]  # s = 0.8: 3
+    assert spec.ngram_proposal(req, 8, dataclasses.replace(cfg, tuned=Tuned(ngram_miss=0.8))) == [5, 6, 7]  # s = 0.8: 3
     assert spec.ngram_proposal(req, 1, cfg) == [5]  # at most k
     assert spec.ngram_proposal(req, 8, dataclasses.replace(cfg, ngram_max=1)) == []  # 1-token match: none pays
-    req.costs = _lin(0.02, 8)
+    req.spec.costs = _lin(0.02, 8)
     assert spec.ngram_proposal(req, 8, cfg) == [5, 6, 7, 8, 9, 10, 11, 12]  # cheap rows: all there is
-    req.costs = _lin(0.3, 8)
+    req.spec.costs = _lin(0.3, 8)
     assert spec.ngram_proposal(req, 3, dataclasses.replace(cfg, adaptive=False, ngram_max=1)) == [5, 6, 7]
 
 
@@ -95,16 +96,16 @@ def test_step_cost_a_stalled_step_moves_the_price_little():
 
 
 def test_measured_price_is_used_by_greedy_ngram_requests_only():
-    cfg = spec.SpecConfig(ngram_cost=0.3, draft_cost=0.6)
-    runner = SimpleNamespace(step_cost=StepCost(min_steps=4))
-    assert spec.row_costs(runner, _req(), 1, cfg) == pytest.approx(_lin(0.3, 8))  # nothing measured yet
-    _fed(runner.step_cost, 1, [0, 1, 2] * 4, 0.010, 0.001)
-    assert spec.row_costs(runner, _req(), 1, cfg)[:4] == pytest.approx([0, 0.1, 0.2, 0.5])
-    assert spec.row_costs(runner, _req(), 2, cfg) == pytest.approx(_lin(0.3, 8))  # another batch size
-    assert spec.row_costs(runner, _req(greedy=False), 1, cfg) == pytest.approx(_lin(0.3, 8))  # seeded: no timing
-    assert spec.row_costs(runner, _req(mode=SpeculativeMode.DRAFT), 1, cfg) == pytest.approx(_lin(0.6, 8))
-    fixed = dataclasses.replace(cfg, measure_cost=False)
-    assert spec.row_costs(runner, _req(), 1, fixed) == pytest.approx(_lin(0.3, 8))
+    cfg = SpecConfig(tuned=Tuned(ngram_cost=0.3, draft_cost=0.6))
+    cost = StepCost(min_steps=4)
+    assert row_costs(_req(), 1, cfg, cost) == pytest.approx(_lin(0.3, 8))  # nothing measured yet
+    _fed(cost, 1, [0, 1, 2] * 4, 0.010, 0.001)
+    assert row_costs(_req(), 1, cfg, cost)[:4] == pytest.approx([0, 0.1, 0.2, 0.5])
+    assert row_costs(_req(), 2, cfg, cost) == pytest.approx(_lin(0.3, 8))  # another batch size
+    assert row_costs(_req(greedy=False), 1, cfg, cost) == pytest.approx(_lin(0.3, 8))  # seeded: no timing
+    assert row_costs(_req(mode=SpeculativeMode.DRAFT), 1, cfg, cost) == pytest.approx(_lin(0.6, 8))
+    fixed = dataclasses.replace(cfg, tuned=Tuned(ngram_cost=0.3, draft_cost=0.6, measure_cost=False))
+    assert row_costs(_req(), 1, fixed, cost) == pytest.approx(_lin(0.3, 8))
 
 
 def test_a_steps_lookups_are_computed_once_per_context(monkeypatch):
@@ -113,7 +114,7 @@ def test_a_steps_lookups_are_computed_once_per_context(monkeypatch):
     calls = []
     real = spec.ngram_match
     monkeypatch.setattr(spec, "ngram_match", lambda *a: calls.append(a) or real(*a))
-    cfg = spec.SpecConfig()
+    cfg = SpecConfig()
     req = _req()
     req.context = [1, 2, 3, 4, 5, 6, 7, 8, 40, 1, 2, 3, 4]
     assert spec.lookup(req, cfg) == spec.lookup(req, cfg) == (4, 4)

@@ -11,6 +11,7 @@ from kvwire.engine.scheduler import Scheduler, SchedulerConfig
 from kvwire.errors import ResourceExhausted
 from kvwire.kv.pool import BlockTables, PagePool
 from kvwire.sampling_params import FinishReason, SamplingParams, SpeculativeMode
+from kvwire.spec import SpecState
 
 _seq = iter(range(10**6))
 
@@ -22,7 +23,7 @@ def make(total=10, window=None, **kw):
 
 def req(rid, prompt_len, max_tokens, k=0, stops=()):
     return Request(rid, next(_seq), [1] * prompt_len, SamplingParams(max_tokens=max_tokens), frozenset(stops),
-                   SpeculativeMode.NGRAM if k else SpeculativeMode.NONE, k_max=k, k=k)
+                   SpecState(SpeculativeMode.NGRAM, k_max=k, k=k) if k else None)
 
 
 def test_admits_while_pages_fit_fifo():

@@ -62,7 +62,7 @@ def test_speculative_greedy_with_the_draft_equals_plain_greedy():
                     out += o.token_ids
                     done = o.finished
         assert out == plain.token_ids, p
-        drafted, accepted = drafted + req.drafted, accepted + req.accepted
+        drafted, accepted = drafted + req.spec.drafted, accepted + req.spec.accepted
     # The draft was used and agrees with the target far above chance (measured: 9 of 37 proposals;
     # a draft with random blocks over this 49,152-token vocabulary accepts ~none).
     assert drafted > 0 and accepted / drafted > 0.1

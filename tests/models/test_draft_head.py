@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.real_model,
 def test_the_head_is_small_and_loads_for_its_target():
     assert (HEAD / WEIGHTS_FILE).stat().st_size <= 50 * 1000 * 1000
     llm = LLM(NAME, num_pages=64, draft_model=HEAD)
-    assert llm.core.runner.head is not None
+    assert llm.core.draft.head is not None
 
 
 def test_the_head_is_exact_and_accepted_on_chat():
@@ -39,5 +39,5 @@ def test_the_head_is_exact_and_accepted_on_chat():
     while llm.has_unfinished():
         llm.step()
     assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
-    drafted, accepted = sum(r.drafted for r in reqs), sum(r.accepted for r in reqs)
+    drafted, accepted = sum(r.spec.drafted for r in reqs), sum(r.spec.accepted for r in reqs)
     assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)  # 21 / 53 when it was trained

@@ -14,6 +14,7 @@ from kvwire.files import LoadError
 from kvwire.model.draft_head import DraftHead, DraftHeadConfig, load_for_target, save_draft_head
 from kvwire.model.quant import Int8Linear
 from kvwire.runtime import EngineConfig, load_engine
+from kvwire.spec import HeadProposer
 from tests.decode_svc.harness import tiny_model
 
 PROMPTS = [[40, 41, 42] * 6, list(range(5, 25)), [7, 8, 9, 10] * 4]
@@ -71,8 +72,8 @@ def test_greedy_with_a_draft_head_equals_plain_greedy(pair, kv):
         plain = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True, speculative="none"))
         reqs = _run(llm, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True, num_speculative_tokens=4))
         assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
-        assert (sum(r.drafted for r in reqs) > 0 or adaptive) and llm.stats()["used"] == 0
-        assert not llm.core.runner.features  # freed with their sequences
+        assert (sum(r.spec.drafted for r in reqs) > 0 or adaptive) and llm.stats()["used"] == 0
+        assert not llm.core.draft.features  # freed with their sequences
 
 
 def test_the_head_continues_from_the_hidden_state_that_chose_the_pending_token(pair):
@@ -81,7 +82,7 @@ def test_the_head_continues_from_the_hidden_state_that_chose_the_pending_token(p
     target, _, copy = pair
     llm = LLM(target, weights="none", kv_dtype="bf16", num_pages=128, draft_model=copy, speculative="draft",
               speculative_auto_off=False, speculative_adaptive=False)
-    runner = llm.core.runner
+    runner, head = llm.core.runner, llm.core.draft
     req = llm.core.requests[llm.add_request([5] * 12, SamplingParams(max_tokens=60, ignore_eos=True))]
     checked = 0
     while req.generated < 40:
@@ -91,10 +92,10 @@ def test_the_head_continues_from_the_hidden_state_that_chose_the_pending_token(p
         positions = check.prepare([0], [len(ctx) - 1])
         runner.runtime.model(torch.tensor(ctx[:-1]), positions, check, logits_rows=torch.tensor([len(ctx) - 2]))
         want = runner.runtime.model.last_hidden[0]
-        got = runner.features[req.seq]
+        got = head.features[req.seq]
         assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), (req.generated, got, want)
         checked += 1
-    assert req.accepted > 0 and checked >= 5  # verification steps that kept proposals were checked too
+    assert req.spec.accepted > 0 and checked >= 5  # verification steps that kept proposals were checked too
     llm.abort(req.request_id)
 
 
@@ -107,7 +108,7 @@ def test_the_copying_head_is_accepted_where_the_target_repeats(pair):
     llm.core.spec_cfg = dataclasses.replace(llm.core.spec_cfg, greedy_max_batch=0)
     prompts = [[t] * 12 for t in range(3, 60)]
     reqs = _run(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True, num_speculative_tokens=4))
-    assert sum(r.accepted for r in reqs) > 0
+    assert sum(r.spec.accepted for r in reqs) > 0
 
 
 def test_seeded_sampling_with_a_head_does_not_depend_on_the_batch(pair):
@@ -123,7 +124,7 @@ def test_seeded_sampling_with_a_head_does_not_depend_on_the_batch(pair):
 def test_a_head_is_quantized_like_the_target_and_must_match_its_weights(pair, tmp_path):
     target, head, _ = pair
     llm = LLM(target, num_pages=64, draft_model=head)
-    assert any(isinstance(m, Int8Linear) for m in llm.core.runner.head.modules())
+    assert any(isinstance(m, Int8Linear) for m in llm.core.draft.head.modules())
     other = make_head(target, tmp_path / "other", sha="0" * 64)
     rt = load_engine(EngineConfig(model_dir=target))
     with pytest.raises(LoadError, match="distilled from other target weights"):
@@ -134,13 +135,14 @@ def test_a_head_is_quantized_like_the_target_and_must_match_its_weights(pair, tm
 
 
 def test_the_heads_confidence_sizes_the_proposal_and_a_long_quote_wins():
-    from kvwire.engine import speculative as spec
     from kvwire.engine.request import Request
     from kvwire.sampling_params import SpeculativeMode
-    cfg = spec.SpecConfig(mode=SpeculativeMode.DRAFT)
-    req = Request("r", 0, [1, 2, 3], SamplingParams(), frozenset(), SpeculativeMode.DRAFT, k_max=4,
-                  by_confidence=True, context=[1, 2, 3, 9])
-    req.costs = [0.0, 0.2, 0.4, 0.6, 0.8]
+    from kvwire.spec import SpecConfig, SpecState
+    from kvwire.spec import head as spec
+    cfg = SpecConfig(mode=SpeculativeMode.DRAFT)
+    req = Request("r", 0, [1, 2, 3], SamplingParams(), frozenset(),
+                  SpecState(SpeculativeMode.DRAFT, k_max=4, k=0, by_confidence=True), context=[1, 2, 3, 9])
+    req.spec.costs = [0.0, 0.2, 0.4, 0.6, 0.8]
     q = torch.rand(4, 10)
     tokens, got_q = spec.head_proposal(req, [5, 6, 7, 8], q, [0.9, 0.9, 0.1, 0.9], 4, cfg)
     assert tokens == [5, 6] and torch.equal(got_q, q[:2])  # the third would be accepted 1 time in 10
@@ -156,7 +158,7 @@ def test_the_heads_confidence_sizes_the_proposal_and_a_long_quote_wins():
 
 @pytest.mark.parametrize("weights", [QuantMode.NONE, QuantMode.BF16, QuantMode.INT8])
 def test_the_c_chain_proposes_what_the_torch_chain_does(pair, weights):
-    """kvwire.model.fast_head against ModelRunner's torch chain, on the target's real hidden states:
+    """kvwire.model.fast_head against HeadProposer's torch chain, on the target's real hidden states:
     the same tokens, confidences and chain lengths (the stop rule and each sequence's k). fp32
     layers: exact up to the norms' last bits; int8 and bf16 (where the C side rounds activations to
     bf16, as the fused decode step does): those last bits can move an activation across a rounding
@@ -167,20 +169,21 @@ def test_the_c_chain_proposes_what_the_torch_chain_does(pair, weights):
         pytest.skip(cpu.unavailable_reason)
     target, head, _ = pair
     rt = load_engine(EngineConfig(model_dir=target, weights=weights, num_pages=64))
-    runner = ModelRunner(rt, 64, load_for_target(head, rt, weights))
-    assert runner.fast_head is not None
+    runner = ModelRunner(rt, 64)
+    proposer = HeadProposer(load_for_target(head, rt, weights), runner)
+    assert proposer.fast_head is not None
     tokens = torch.randint(3, rt.model_config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
     positions = runner.cache.prepare([0], [48])
     rt.model(tokens, positions, runner.cache)
     seqs = list(range(48))
-    runner.features = dict(zip(seqs, rt.model.last_hidden))
+    proposer.features = dict(zip(seqs, rt.model.last_hidden))
     ks = [1 + i % 5 for i in seqs]
     args = (seqs, [[int(t)] for t in tokens], ks, [SamplingParams()] * 48, [0] * 48)
     for stop in (0.0, 0.25):
-        fast = runner._propose_head(*args, stop_below=stop)
-        fast_head, runner.fast_head = runner.fast_head, None
-        torch_chain = runner._propose_head(*args, stop_below=stop)
-        runner.fast_head = fast_head
+        fast = proposer.draft(*args, stop_below=stop)
+        fast_head, proposer.fast_head = proposer.fast_head, None
+        torch_chain = proposer.draft(*args, stop_below=stop)
+        proposer.fast_head = fast_head
         same = [f[0] == t[0] for f, t in zip(fast, torch_chain)]
         assert all(len(p) == k for (p, _, _), k in zip(fast, ks)) if stop == 0.0 else \
             all(1 <= len(p) <= k for (p, _, _), k in zip(fast, ks))
@@ -218,7 +221,7 @@ def test_a_heads_sampled_proposal_is_drawn_over_its_vocabulary_as_over_the_whole
     """draft_sample over the head's scores and its vocabulary ids: q equals the distribution over
     the full vocabulary with -inf outside the head's (what it was drawn from before), and every
     proposal is a head-vocabulary token drawn from q (chi-square over the most likely ones)."""
-    from kvwire.engine.speculative import draft_sample
+    from kvwire.spec.verify import draft_sample
     from kvwire.sampler import probabilities
     g = torch.Generator().manual_seed(4)
     vocab, support = 3000, torch.randperm(3000, generator=g)[:700].sort().values
@@ -243,8 +246,9 @@ def test_warm_up_prices_a_head_proposal(pair):
     from kvwire.engine.runner import ModelRunner
     target, head, _ = pair
     rt = load_engine(EngineConfig(model_dir=target, num_pages=64))
-    runner = ModelRunner(rt, 64, load_for_target(head, rt, QuantMode.INT8))
-    assert runner.head_cost(1) is None
+    runner = ModelRunner(rt, 64)
+    proposer = HeadProposer(load_for_target(head, rt, QuantMode.INT8), runner)
+    assert proposer.cost(1) is None
     runner.warm_up()
     # a head call against the tiny target's step (tens of microseconds): several plain steps here
-    assert 0 < runner.head_cost(1) < float("inf") and not runner.features and runner.cache.stats()["used"] == 0
+    assert 0 < proposer.cost(1) < float("inf") and not proposer.features and runner.cache.stats()["used"] == 0

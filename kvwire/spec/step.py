@@ -1,0 +1,78 @@
+"""The engine's decode step with speculation: propose -> step -> verify -> update.
+
+Requests with and without speculation, and with different k, share the one target forward over
+``[pending token] + proposals`` of every request of the batch; ``verify`` says which tokens come
+out (1..k + 1); the proposers roll back what was rejected. Runs on the runner's thread.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvwire.sampling_params import SpeculativeMode
+from kvwire.spec.config import SpecConfig
+from kvwire.spec.ngram import NgramProposer
+from kvwire.spec.proposer import NONE, Proposal, Proposer
+from kvwire.spec.state import num_proposals, row_costs
+from kvwire.spec.verify import verify
+
+if TYPE_CHECKING:
+    from kvwire.engine.request import Request
+    from kvwire.engine.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Proposers:
+    ngram: Proposer = NgramProposer()
+    draft: Proposer | None = None  # a DraftModelProposer or a HeadProposer (attached to the runner)
+
+    def of(self, mode: SpeculativeMode) -> Proposer:
+        proposer = self.ngram if mode is SpeculativeMode.NGRAM else self.draft if mode is SpeculativeMode.DRAFT else None
+        if proposer is None:
+            raise ValueError(f"no proposer for speculative={mode.value}")
+        return proposer
+
+
+def decode_step(runner: ModelRunner, proposers: Proposers, batch: Sequence[Request],
+                cfg: SpecConfig) -> list[tuple[list[int], int]]:
+    """One decode iteration over ``batch`` (requests with their KV in place). Returns (tokens to
+    emit, number proposed) per request; the policy's update (``record``, ``observe``) follows
+    once the scheduler has applied them (``EngineCore.update``)."""
+    props = propose(runner, proposers, batch, cfg)
+    logits = runner.step([r.seq for r in batch], [[r.context[-1], *p.tokens] for r, p in zip(batch, props)])
+    emitted = [verify(rows, p.tokens, p.q, r.params, r.generated) for r, p, rows in zip(batch, props, logits)]
+    for r, p, tokens in zip(batch, props, emitted):
+        rollback(runner, proposers, r, len(p.tokens), len(tokens))
+    return [(tokens, len(p.tokens)) for tokens, p in zip(emitted, props)]
+
+
+def rollback(runner: ModelRunner, proposers: Proposers, req: Request, proposed: int, emitted: int) -> None:
+    """Keep the fed token and the accepted proposals in the target's cache and the proposer's
+    state (the draft's cache, the head's feature); drop the rest."""
+    if proposed:
+        runner.keep(req.seq, emitted)
+    if req.spec is not None:
+        proposers.of(req.spec.mode).verified(req, emitted)
+
+
+def propose(runner: ModelRunner, proposers: Proposers, batch: Sequence[Request], cfg: SpecConfig) -> list[Proposal]:
+    """Each request's proposal this step (batched per proposer); prices its rows first
+    (``SpecState.costs``, what the proposers and ``record`` read). In a step of more than
+    ``greedy_max_batch`` requests, batch-aware ones propose nothing (docs/decisions/024-greedy-max-batch.md)."""
+    crowded = 0 < cfg.greedy_max_batch < len(batch)
+    wanted: dict[SpeculativeMode, list[tuple[int, int]]] = {}  # mode -> (index in batch, k)
+    for i, r in enumerate(batch):
+        if r.spec is None:
+            continue
+        proposer = proposers.of(r.spec.mode)
+        r.spec.costs = row_costs(r, len(batch), cfg, runner.step_cost, proposer.cost(len(batch)))
+        k = 0 if crowded and r.params.batch_aware else num_proposals(r, proposer.max_positions)
+        if k:
+            wanted.setdefault(r.spec.mode, []).append((i, k))
+    props = [NONE] * len(batch)
+    for mode, items in wanted.items():
+        made = proposers.of(mode).propose([batch[i] for i, _ in items], [k for _, k in items], cfg)
+        for (i, _), p in zip(items, made):
+            props[i] = p
+    return props
