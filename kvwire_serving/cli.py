@@ -10,6 +10,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvwire import envs
 from kvwire.config import DEFAULT_MODEL_DIR, KVDtype, QuantMode
 from kvwire.threads import usable_cpus
 from kvwire.files import LoadError
@@ -52,7 +53,7 @@ def set_threads(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise SystemExit(f"--threads must be at least 1, got {args.threads}")
-    n = args.threads or (None if os.environ.get("OMP_NUM_THREADS") else usable_cpus())
+    n = args.threads or (None if envs.raw("OMP_NUM_THREADS") else usable_cpus())
     if n is not None:
         torch.set_num_threads(n)
     return torch.get_num_threads()
