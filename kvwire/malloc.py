@@ -11,7 +11,7 @@ prompts, 2 threads, five prompts in a fresh process; Intel Xeon with AMX): 1,179
 memory: freed heap up to ``TRIM_THRESHOLD`` stays resident after a large prompt (peak RSS is the
 same either way; the resident size no longer drops back between prompts).
 
-Applied by ``kvwire.runtime.load_engine`` (every process that loads a model), unless the
+Applied by ``kvwire.runtime.load_runtime`` (every process that loads a model), unless the
 environment already sets glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` or
 ``KVWIRE_MALLOC=0``. A no-op where the C library is not glibc.
 """
