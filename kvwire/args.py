@@ -494,7 +494,8 @@ def markdown() -> str:
         for group in ap._action_groups[2:]:
             for a in group._group_actions:
                 flag = " / ".join(f"`{s}`" for s in a.option_strings)
-                out.append(f"| {flag} | {_shown(a.default)} | {_cell(a.help)} |")
+                text, _, var = a.help.partition(" [KVWIRE_")
+                out.append(f"| {flag} | {_shown(a.default)} | {_cell(text)}{f' (`KVWIRE_{var[:-1]}`)' if var else ''} |")
         out.append("")
     out += ["## Environment variables", "",
             "Declared in `kvwire/envs.py`; Python reads them only through it. kind: python (read by the",
