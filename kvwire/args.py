@@ -1,7 +1,8 @@
 """``EngineArgs``: every service flag and every ``LLM`` keyword, declared once.
 
 A frozen dataclass of sections (model, cache, compute, scheduler, speculative, KV source, serving,
-security, the outgoing peer's client TLS, the tokenizer's front door). Each field's metadata
+security, the outgoing peer's client TLS, the tokenizer's front door; see
+docs/decisions/010-one-configuration.md). Each field's metadata
 (``arg(...)``) is its flag's help, choices, metavar and environment variable; the flag's name is
 the field's name with dashes (or ``dest``), its type and default are the field's. A service parses
 only its sections (``SERVICES``), with its own defaults (--listen port, --num-pages);
