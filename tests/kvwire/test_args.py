@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwire import args as kargs
+from kvwire.args import sections as kargs
 from kvwire.args import EngineArgs, make_parser, markdown, service_flags
 from kvwire.config import KVDtype, WeightsMode
 from kvwire.sampling_params import SpeculativeMode
