@@ -29,8 +29,8 @@ class DType(str, enum.Enum):
     BF16 = "bf16"
 
 
-class QuantMode(str, enum.Enum):
-    """How linear-layer weights are stored and multiplied."""
+class WeightsMode(str, enum.Enum):
+    """How linear-layer weights are stored and multiplied (``--weights``; ``WeightsMode`` on the wire)."""
 
     NONE = "none"  # weights kept in ModelConfig's dtype
     BF16 = "bf16"
@@ -38,9 +38,25 @@ class QuantMode(str, enum.Enum):
     FP8 = "fp8"
 
 
+QuantMode = WeightsMode  # deprecated name of WeightsMode
+
+
 class KVDtype(str, enum.Enum):
     FP8_E4M3 = "fp8_e4m3"
     BF16 = "bf16"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What ``kvwire.runtime.load_runtime`` loads: a model, its weights mode and its KV page format.
+    Built from ``EngineArgs`` (``kvwire.args``: the model and cache sections)."""
+
+    model_dir: Path
+    weights: WeightsMode = WeightsMode.NONE  # none = the checkpoint in fp32
+    kv_dtype: KVDtype = KVDtype.FP8_E4M3
+    block_size: int = 16
+    num_pages: int = 512
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ prompts, 2 threads, five prompts in a fresh process; Intel Xeon with AMX): 1,179
 memory: freed heap up to ``TRIM_THRESHOLD`` stays resident after a large prompt (peak RSS is the
 same either way; the resident size no longer drops back between prompts).
 
-Applied by ``kvwire.runtime.load_engine`` (every process that loads a model), unless the
+Applied by ``kvwire.runtime.load_runtime`` (every process that loads a model), unless the
 environment already sets glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` or
 ``KVWIRE_MALLOC=0``. A no-op where the C library is not glibc.
 """
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
+
+from kvwire import envs
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD = 256 << 20  # blocks below this come from the heap (and are reused), not from mmap
@@ -29,9 +30,9 @@ TRIM_THRESHOLD = 512 << 20  # free heap kept at the top before any is returned t
 @functools.cache
 def keep_freed_memory() -> bool:
     """Set glibc's thresholds (once per process); True when they were set."""
-    if os.environ.get("KVWIRE_MALLOC", "auto").lower() in ("0", "off", "false", "no"):
+    if envs.switched_off("KVWIRE_MALLOC"):
         return False
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+    if envs.is_set("MALLOC_MMAP_THRESHOLD_") or envs.is_set("MALLOC_TRIM_THRESHOLD_"):
         return False  # the user's own settings win
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on

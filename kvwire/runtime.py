@@ -1,4 +1,4 @@
-"""Build a model runtime from one frozen config: model (quantized), KV page spec, fingerprint.
+"""``load_runtime``: one frozen ``RuntimeConfig`` in, a ``Runtime`` out: model (quantized), KV page spec, fingerprint.
 
 Shared by prefill_svc and decode_svc (and the in-process reference the services are checked
 against), so both ends load and quantize a model the same way and agree on the page format.
@@ -6,9 +6,8 @@ against), so both ends load and quantize a model the same way and agree on the p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from kvwire.config import DType, KVDtype, ModelConfig, QuantMode
+from kvwire.config import DType, ModelConfig, RuntimeConfig, WeightsMode
 from kvwire.fingerprint import Fingerprint, fingerprint
 from kvwire.kv.spec import KVPageSpec
 from kvwire.malloc import keep_freed_memory
@@ -17,19 +16,14 @@ from kvwire.model.model import Transformer
 from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model_dir: Path
-    weights: QuantMode = QuantMode.NONE  # none = the checkpoint in fp32
-    kv_dtype: KVDtype = KVDtype.FP8_E4M3
-    block_size: int = 16
-    num_pages: int = 512
-    device: str = "cpu"
+EngineConfig = RuntimeConfig  # deprecated name of kvwire.config.RuntimeConfig
 
 
 @dataclass(frozen=True)
 class Runtime:
-    cfg: EngineConfig
+    """A loaded model with its KV page spec and fingerprint (what prefill and decode agree on)."""
+
+    cfg: RuntimeConfig
     model: Transformer
     model_config: ModelConfig
     spec: KVPageSpec
@@ -40,10 +34,10 @@ class Runtime:
         return PagedKVCache(self.model_config, self.spec, num_pages or self.cfg.num_pages, device=self.cfg.device)
 
 
-def load_engine(cfg: EngineConfig) -> Runtime:
+def load_runtime(cfg: RuntimeConfig) -> Runtime:
     keep_freed_memory()  # a prompt's temporaries stay in the heap between forwards (kvwire/malloc.py)
-    weights = QuantMode(cfg.weights)
-    dtype = DType.BF16 if weights == QuantMode.BF16 else DType.FP32
+    weights = WeightsMode(cfg.weights)
+    dtype = DType.BF16 if weights == WeightsMode.BF16 else DType.FP32
     # int8/fp8: each Linear is quantized as the loader reads its pieces (never a fp32 model first);
     # the layers are bit-identical to quantize_model(load_model(...), ...).
     quantize = load_quantizer(weights, include_lm_head=weights in HEAD_QUANTIZED)
@@ -55,3 +49,6 @@ def load_engine(cfg: EngineConfig) -> Runtime:
     spec = KVPageSpec.for_model(loaded.config, cfg.block_size, cfg.kv_dtype)
     fp = fingerprint(cfg.model_dir, loaded.config, loaded.weights_sha256, weights.value, dtype.value)
     return Runtime(cfg, model, loaded.config, spec, fp)
+
+
+load_engine = load_runtime  # deprecated name of load_runtime

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from kvwire import envs
+
 SOURCE = Path(__file__).resolve().parent / "cpu" / "kvwire_cpu.c"
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 PREBUILT = Path(__file__).resolve().parent / "cpu" / "prebuilt"
@@ -108,7 +110,7 @@ def _cpu_flags() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVWIRE_KERNEL_CACHE", Path.home() / ".cache" / "kvwire" / "kernels"))
+    return Path(envs.get("KVWIRE_KERNEL_CACHE"))
 
 
 def _compile(cc: str, level: str, out: Path) -> None:
@@ -137,7 +139,7 @@ def _source_key() -> str:
 
 
 def prebuilt_path(level: str, root: Path | None = None) -> Path:
-    return (root or Path(os.environ.get("KVWIRE_KERNEL_PREBUILT", PREBUILT))) / f"kvwire_cpu_{level}_{_source_key()}.so"
+    return (root or Path(envs.get("KVWIRE_KERNEL_PREBUILT") or PREBUILT)) / f"kvwire_cpu_{level}_{_source_key()}.so"
 
 
 def _prebuilt() -> Path:
@@ -152,7 +154,7 @@ def _prebuilt() -> Path:
 
 def prebuild(root: Path) -> list[Path]:
     """Compile the portable binaries into ``root`` (for images without a compiler)."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "gcc"
+    cc = envs.get("CC") or shutil.which("gcc") or shutil.which("cc") or "gcc"
     out = []
     for level in LEVELS:
         _compile(cc, level, prebuilt_path(level, root))
@@ -164,12 +166,12 @@ def prebuild(root: Path) -> list[Path]:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (``unavailable_reason`` says why) when they cannot be used."""
     global unavailable_reason
-    mode = os.environ.get("KVWIRE_CPU_KERNELS", "auto").lower()
+    mode = envs.get("KVWIRE_CPU_KERNELS").lower()
     if mode in ("0", "off", "false", "no"):
         unavailable_reason = "disabled by KVWIRE_CPU_KERNELS=0"
         return None
     try:
-        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        cc = envs.get("CC") or shutil.which("gcc") or shutil.which("cc")
         try:
             path = _native(cc) if cc is not None else _prebuilt()
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -212,7 +214,7 @@ def int8_activations() -> bool:
 
 
 def _switched_off(variable: str) -> bool:
-    return os.environ.get(variable, "auto").lower() in ("0", "off", "false", "no")
+    return envs.switched_off(variable)
 
 
 def amx() -> bool:

@@ -1,9 +1,9 @@
 """TLS, mTLS and bearer-token auth for every hop, and the serving flags that limit exposure.
 
 One module builds every credential: ``ServerSecurity`` (what a service's listener demands) and
-``ClientSecurity`` (what one outgoing channel presents), both frozen and filled from flags by
-``add_serving_args`` / ``server_security`` / ``client_security`` in a service's ``__main__``
-(the ``KVWIRE_*`` environment variables are the flags' defaults, read there and nowhere else).
+``ClientSecurity`` (what one outgoing channel presents), both frozen and filled from the parsed
+flags by ``server_security`` / ``client_security`` (the flags are declared in ``kvwire.args``; their
+``KVWIRE_*`` defaults in ``kvwire.envs``).
 
 - ``--tls-cert/--tls-key``: the listener speaks TLS. ``--tls-client-ca``: it also requires a client
   certificate signed by that CA (mTLS; a plaintext or wrongly signed client fails the handshake).
@@ -19,21 +19,18 @@ One module builds every credential: ``ServerSecurity`` (what a service's listene
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import inspect
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import grpc
 
 from kvwire import metrics
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-DEFAULT_DRAIN_DELAY_S = 5.0  # long enough for a Kubernetes endpoint update to reach load balancers
 
 
 def _read(path: Path | None) -> bytes | None:
@@ -212,62 +209,31 @@ class BearerTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.Unar
         return await continuation(self._details(details), request_iterator)
 
 
-# -- flags (read in each service's __main__) ------------------------------------------------------
+# -- from parsed flags (kvwire.args: SecurityArgs, PeerArgs, ServingArgs) ---------------------------
 
-def _path(value: str | None) -> Path | None:
+def _path(value: str | Path | None) -> Path | None:
     return Path(value) if value else None
 
 
-def add_serving_args(ap: argparse.ArgumentParser, peers: Iterable[str] = (),
-                     env: Mapping[str, str] | None = None) -> None:
-    """TLS/auth/exposure/drain flags of a service, and client TLS/auth flags for each outgoing ``peer``."""
-    env = os.environ if env is None else env
-    g = ap.add_argument_group("security and exposure (each flag's default: the KVWIRE_* variable named)")
-
-    def add(flag: str, var: str, help: str, **kw) -> None:
-        g.add_argument(flag, default=env.get(var, kw.pop("default", None)), help=f"{help} [{var}]", **kw)
-
-    add("--tls-cert", "KVWIRE_TLS_CERT", "server certificate chain (PEM); with --tls-key the listener speaks TLS")
-    add("--tls-key", "KVWIRE_TLS_KEY", "server private key (PEM)")
-    add("--tls-client-ca", "KVWIRE_TLS_CLIENT_CA", "require client certificates signed by this CA (mTLS)")
-    add("--allowed-peers", "KVWIRE_ALLOWED_PEERS", "comma-separated client certificate names (CN or SAN) "
-        "allowed to call; others get PERMISSION_DENIED (default: any certificate the CA signed)")
-    add("--auth-tokens-file", "KVWIRE_AUTH_TOKENS_FILE", "bearer tokens accepted, one per line; calls without "
-        "one get UNAUTHENTICATED (health excepted)")
-    add("--health-listen", "KVWIRE_HEALTH_LISTEN", "host:port of a plaintext listener serving only grpc.health.v1 "
-        "(for probes when the main port needs TLS)")
-    add("--metrics-host", "KVWIRE_METRICS_HOST", "interface /metrics binds (default: --listen's host)")
-    add("--drain-delay-s", "KVWIRE_DRAIN_DELAY_S", "at SIGTERM, seconds health reports NOT_SERVING while calls "
-        "are still accepted (load balancers notice), before the --grace-s drain", type=float,
-        default=str(DEFAULT_DRAIN_DELAY_S))
-    g.add_argument("--no-reflection", action="store_true",
-                   default=env.get("KVWIRE_NO_REFLECTION", "").lower() in ("1", "true", "yes"),
-                   help="do not serve gRPC reflection [KVWIRE_NO_REFLECTION=1]")
-    for peer in peers:
-        var = f"KVWIRE_{peer.upper()}"
-        add(f"--{peer}-tls-ca", f"{var}_TLS_CA", f"CA that signed {peer}'s certificate: the {peer} channel uses TLS")
-        add(f"--{peer}-tls-cert", f"{var}_TLS_CERT", f"client certificate presented to {peer} (mTLS)")
-        add(f"--{peer}-tls-key", f"{var}_TLS_KEY", f"its private key")
-        add(f"--{peer}-tls-server-name", f"{var}_TLS_SERVER_NAME",
-            f"name expected in {peer}'s certificate (default: the address's host)")
-        add(f"--{peer}-token-file", f"{var}_TOKEN_FILE", f"bearer token sent to {peer} (first line)")
-
-
-def server_security(args: argparse.Namespace) -> ServerSecurity:
+def server_security(args: Any) -> ServerSecurity:
+    """What the listener demands, from ``--tls-*``, ``--allowed-peers``, ``--auth-tokens-file``,
+    ``--health-listen`` (an ``EngineArgs.security`` section, or anything with those names)."""
     peers = tuple(p.strip() for p in (args.allowed_peers or "").split(",") if p.strip())
     return ServerSecurity(cert_file=_path(args.tls_cert), key_file=_path(args.tls_key),
                           client_ca_file=_path(args.tls_client_ca), allowed_peers=peers,
                           tokens_file=_path(args.auth_tokens_file), health_listen=args.health_listen or None)
 
 
-def client_security(args: argparse.Namespace, peer: str) -> ClientSecurity:
-    get = lambda name: getattr(args, f"{peer}_{name}")  # noqa: E731
+def client_security(args: Any, peer: str | None = None) -> ClientSecurity:
+    """What the channel to a peer presents: an ``EngineArgs.peer`` section, or (``peer`` given) a
+    namespace with ``<peer>_tls_ca`` ... attributes."""
+    get = (lambda name: getattr(args, f"{peer}_{name}")) if peer else (lambda name: getattr(args, name))  # noqa: E731
     return ClientSecurity(ca_file=_path(get("tls_ca")), cert_file=_path(get("tls_cert")),
                           key_file=_path(get("tls_key")), token_file=_path(get("token_file")),
                           server_name=get("tls_server_name") or None)
 
 
-def metrics_host(args: argparse.Namespace) -> str:
+def metrics_host(args: Any) -> str:
     """``--metrics-host``, else ``--listen``'s host: /metrics is no more exposed than the service."""
     if args.metrics_host:
         return args.metrics_host

@@ -2,7 +2,7 @@
 
     from kvwire import LLM, SamplingParams
     llm = LLM("models/kvwire-tiny", weights="int8", kv_dtype="fp8_e4m3")
-    llm = LLM(target, draft_model=draft, speculative="draft")  # the draft's weights int8 too (draft_weights=)
+    llm = LLM(target, draft_model_dir=draft, speculative="draft")  # the draft's weights int8 too (draft_weights=)
     [out] = llm.generate(["The cat"], SamplingParams(max_tokens=16))
     for delta in llm.stream("The cat", SamplingParams(max_tokens=16)): ...
     rid = llm.add_request([1, 2, 3], SamplingParams()); outputs = llm.step()
@@ -17,16 +17,11 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kvwire.config import KVDtype, QuantMode
-from kvwire.engine.core import EngineCore
+from kvwire.args import EngineArgs
+from kvwire.engine.build import build_engine
 from kvwire.engine.kv_source import LocalPrefill
 from kvwire.engine.request import Completion, RequestOutput
-from kvwire.engine.runner import ModelRunner
-from kvwire.engine.scheduler import SchedulerConfig
-from kvwire.model.draft_head import is_draft_head, load_for_target
-from kvwire.runtime import EngineConfig, load_engine
-from kvwire.sampling_params import SamplingParams, SpeculativeMode
-from kvwire.spec import SpecConfig, attach_draft
+from kvwire.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -48,33 +43,17 @@ def _now(coro):
 
 
 class LLM:
-    def __init__(self, model: str | Path, *, weights: QuantMode | str = QuantMode.INT8,
-                 kv_dtype: KVDtype | str = KVDtype.FP8_E4M3, block_size: int = 16, num_pages: int = 512,
-                 device: str = "cpu", draft_model: str | Path | None = None,
-                 draft_weights: QuantMode | str | None = None, draft_kv_dtype: KVDtype | str = KVDtype.BF16,
-                 speculative: SpeculativeMode | str = SpeculativeMode.NONE, num_speculative_tokens: int = 4,
-                 speculative_adaptive: bool = True, speculative_auto_off: bool = True,
-                 prefix_caching: bool = False, max_running: int = 16,
-                 max_waiting: int = 1024):
-        cfg = EngineConfig(model_dir=Path(model), weights=QuantMode(weights), kv_dtype=KVDtype(kv_dtype),
-                           block_size=block_size, num_pages=num_pages, device=device)
-        self.runtime = load_engine(cfg)
-        draft = None
-        if draft_model is not None and is_draft_head(draft_model):
-            draft = load_for_target(draft_model, self.runtime, QuantMode(draft_weights or weights))
-        elif draft_model is not None:
-            # quantized as the target unless told otherwise (decode_svc: --draft-weights)
-            draft = load_engine(EngineConfig(model_dir=Path(draft_model), weights=QuantMode(draft_weights or weights),
-                                             kv_dtype=KVDtype(draft_kv_dtype), block_size=block_size,
-                                             num_pages=num_pages, device=device))
-        self.tokenizer = self._tokenizer(cfg.model_dir)
-        eos = set(self.runtime.model_config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else set())
-        runner = ModelRunner(self.runtime, num_pages, prefix_caching=prefix_caching)
-        self.core = EngineCore(runner, SchedulerConfig(num_pages, max_running, max_waiting),
-                               SpecConfig(mode=SpeculativeMode(speculative), num_tokens=num_speculative_tokens,
-                                          adaptive=speculative_adaptive, auto_off=speculative_auto_off), eos,
-                               draft=attach_draft(runner, draft))
-        self.kv_source = LocalPrefill(runner)
+    def __init__(self, model: str | Path, **kwargs):
+        """``kwargs``: the engine flags' names (kvwire/args.py, docs/configuration.md): weights, kv_dtype,
+        block_size, num_pages (512), device, draft_model_dir (alias draft_model), draft_weights,
+        draft_kv_dtype, speculative, num_speculative_tokens, adaptive_speculation (alias
+        speculative_adaptive), speculative_auto_off, speculative_greedy_max_batch, ngram_max, ngram_min,
+        prefix_caching, max_running, max_waiting (1024). ValueError for a value out of range."""
+        self.args = EngineArgs.from_llm_kwargs(model, **kwargs)
+        self.tokenizer = self._tokenizer(self.args.model.model_dir)
+        self.core = build_engine(self.args, extra_eos=self.tokenizer.eos_ids if self.tokenizer else ())
+        self.runtime = self.core.runner.runtime
+        self.kv_source = LocalPrefill(self.core.runner)
 
     @staticmethod
     def _tokenizer(model_dir: Path):

@@ -13,10 +13,11 @@ from tokenizers import Tokenizer
 
 from bench import serve_peers
 from bench.hf_tokenizer import TOKENIZER_FILES, export_tokenizer
+from kvwire import envs
 from kvwire.tokenizer import ChatMessage, ModelTokenizer
 from tests.kvwire.gguf_files import CHAT_TEMPLATE, TEXTS, tiny_bpe, write_random
 
-VLLM_VENV = Path(os.environ.get("KVWIRE_VLLM_VENV", str(serve_peers.DEFAULT_VENV)))
+VLLM_VENV = Path(envs.get("KVWIRE_VLLM_VENV") or serve_peers.DEFAULT_VENV)
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,21 @@
 the defaults never touches the embedded draft."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from decode_svc.__main__ import draft_path
+from kvwire.engine.build import draft_path as build_draft_path
 from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.files import LoadError
 
 
-def args(model_dir: Path, speculative: str = "none", draft_model_dir: str | None = None) -> argparse.Namespace:
-    return argparse.Namespace(model_dir=model_dir, speculative=speculative, draft_model_dir=draft_model_dir)
+def args(model_dir: Path, speculative: str = "none", draft_model_dir: str | None = None) -> tuple:
+    return model_dir, speculative, draft_model_dir
+
+
+def draft_path(a: tuple) -> Path | None:
+    return build_draft_path(*a)
 
 
 def test_no_draft_by_default_even_beside_the_embedded_pair(tmp_path):

@@ -214,7 +214,7 @@ def test_loading_imports_neither_dynamo_nor_triton(tmp_path, weights):
     import sys
     code = (
         "import sys, torch\n"
-        "from kvwire_serving.cli import DEFAULT_MODEL_DIR\n"
+        "from kvwire.config import DEFAULT_MODEL_DIR\n"
         "from kvwire.config import QuantMode\n"
         "from kvwire.runtime import EngineConfig, load_engine\n"
         f"rt = load_engine(EngineConfig(model_dir=DEFAULT_MODEL_DIR, weights=QuantMode('{weights}')))\n"

@@ -6,6 +6,7 @@ import argparse
 import pytest
 import torch
 
+from kvwire.args import make_parser
 from kvwire_serving import cli
 from tools.stack import Stack, split_cpus
 
@@ -20,9 +21,7 @@ def test_usable_cpus_follows_the_affinity_mask():
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    cli.add_engine_args(ap, default_pages=16)
-    return ap.parse_args(argv)
+    return make_parser("prefill_svc").parse_args(argv)  # unchecked: set_threads checks --threads itself
 
 
 @pytest.fixture
