@@ -73,7 +73,7 @@ async def serve(args: argparse.Namespace) -> None:
     decode.start()
     metrics.watch_pool(decode.stats)  # running/waiting requests, KV pool use
     lazy.set(DecodeServicer(decode))
-    first = await watch.check() if watch else True  # before SERVING: readiness right from the first probe
+    first = await watch.first_check() if watch else True  # before SERVING: remote on from the first request
     await server.set_serving()
     if watch:
         await watch.start(first)
@@ -165,10 +165,11 @@ def main() -> None:
     ap.add_argument("--prefill-health-interval-s", type=float, default=5.0,
                     help="how often prefill_svc's health is checked; while it is not SERVING, AUTO requests "
                          "prefill here")
-    ap.add_argument("--readiness-follows-prefill", action=argparse.BooleanOptionalAction, default=True,
-                    help="report kvwire.v1.DecodeService NOT_SERVING while prefill_svc is unreachable (the "
-                         "overall health, for liveness, stays SERVING); --no-readiness-follows-prefill keeps "
-                         "decode ready, prefilling locally")
+    ap.add_argument("--readiness-follows-prefill", action=argparse.BooleanOptionalAction, default=False,
+                    help="opt-in: report kvwire.v1.DecodeService NOT_SERVING while prefill_svc is unreachable. "
+                         "Off by default: decode serves through its local prefill meanwhile, and a prefill "
+                         "outage must not take every decode pod out of service (the overall health, for "
+                         "liveness, never follows prefill)")
     ap.add_argument("--max-running", type=int, default=16, help="requests decoded together at most")
     ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before RESOURCE_EXHAUSTED")
     sp = ap.add_argument_group("speculative decoding")
