@@ -221,6 +221,34 @@ def test_gpu_overlay_requests_gpus_and_the_cuda_image():
     assert "nvidia.com/gpu" not in main_container(gpu, "tokenizer").spec["resources"]["limits"]
 
 
+def test_gpu_overlay_runs_the_front_door_on_the_cpu_image():
+    """The tokenizer never touches a GPU: the CUDA image (CUDA libraries, a C compiler) is not its."""
+    gpu = render("gpu")
+    dep = one(gpu, "Deployment", "tokenizer")
+    pod = dep["spec"]["template"]["spec"]
+    assert {c["image"] for c in pod["containers"] + pod.get("initContainers", [])} == {"kvwire:0.1.0-cpu"}
+    assert main_container(gpu, "decode").spec["image"] == "kvwire:0.1.0-cuda"
+    assert main_container(render("cpu"), "tokenizer").spec["image"] == "kvwire:0.1.0-cpu"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicated_deployments_spread_over_zones_and_nodes(overlay):
+    objs = render(overlay)
+    for dep in kvwire_deployments(objs):
+        name = dep["metadata"]["name"]
+        replicas = max(dep["spec"].get("replicas", 1), *[h["spec"]["maxReplicas"] for h in
+                       of_kind(objs, "HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == name])
+        assert replicas > 1, name
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        spread = dep["spec"]["template"]["spec"].get("topologySpreadConstraints", [])
+        assert {c["topologyKey"] for c in spread} == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}, name
+        for c in spread:
+            assert selects(c["labelSelector"], labels), f"{name}: the spread does not count its own pods"
+            assert c["maxSkew"] == 1 and "pod-template-hash" in c.get("matchLabelKeys", []), name
+            # Never DoNotSchedule: a small cluster must run every replica and a drain must never block.
+            assert c["whenUnsatisfiable"] == "ScheduleAnyway", name
+
+
 def test_every_flag_the_manifests_pass_exists():
     """Each container's command starts (``--help``) and accepts every flag the manifests give it."""
     seen: dict[str, set[str]] = {}
