@@ -230,7 +230,10 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                     completion += len(ids)
                     timer.tokens(len(ids))
                     finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                    text = detok.add(ids) + (detok.flush() if finished else "")
+                    text, dropped = detok.add(ids), False
+                    if finished:  # an incomplete last character is dropped, never sent as U+FFFD
+                        tail, dropped = detok.finish()
+                        text += tail
                     safe, matched = matcher.feed(text)
                     if matched is not None:
                         call.cancel()  # the rest of the generation is not wanted
@@ -243,7 +246,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                         usage = msg.usage if msg.HasField("usage") else pb.Usage(
                             prompt_tokens=len(prompt_ids), completion_tokens=completion)
                         timer.finish(conv.finish_from_pb(msg.finish_reason).value)
-                        yield self._last(span, safe + matcher.flush(), ids, msg.finish_reason, usage)
+                        yield self._last(span, safe + matcher.flush(), ids, msg.finish_reason, usage,
+                                         partial_dropped=dropped)
                         done = True
                         continue  # read on to the stream's end, so the call (and its span) completes
                     if safe or ids:
@@ -255,11 +259,11 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
 
     @staticmethod
     def _last(span, text: str, ids: list[int], reason: int, usage: pb.Usage,
-              stop_string: str = "") -> pb.GenerateTextResponse:
+              stop_string: str = "", partial_dropped: bool = False) -> pb.GenerateTextResponse:
         span.set_attributes({
             "gen_ai.usage.output_tokens": usage.completion_tokens,
             "gen_ai.response.finish_reasons": [conv.finish_from_pb(reason).value],
         })
         return pb.GenerateTextResponse(text=text, token_ids=ids, finish_reason=reason, usage=usage,
-                                       stop_string=stop_string)
+                                       stop_string=stop_string, partial_character_dropped=partial_dropped)
 
