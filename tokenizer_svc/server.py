@@ -33,6 +33,7 @@ from kvwire.validation import RequestLimits, check_token_ids, validate_request
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from protos import convert as conv
+from tokenizer_svc import memory
 from tokenizer_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name
@@ -102,6 +103,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         self.model_name = model_name
         self.limits = limits
         self._detok_decode = partial(tokenizer.decode, skip_special_tokens=True)
+        memory.return_freed_memory()  # this process's malloc policy (tokenizer_svc/memory.py)
         self._pool = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="tokenize")
         self._slots: asyncio.Semaphore | None = None  # made in the serving loop, on first use
 
@@ -129,17 +131,23 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         # loop (health, other requests) keeps running while a long prompt is tokenized. The token
         # cap is checked on the Rust encoding, before its ids become a (GIL-bound) Python list.
         [encoding] = self.tok.tok.encode_batch([text], add_special_tokens=add_special)
-        if len(encoding) > self.limits.max_tokens:
-            raise errors.InvalidRequest(f"the prompt is {len(encoding)} tokens; at most {self.limits.max_tokens} "
+        n = len(encoding)
+        if n > self.limits.max_tokens:
+            del encoding
+            raise errors.InvalidRequest(f"the prompt is {n} tokens; at most {self.limits.max_tokens} "
                                         "are accepted (--max-prompt-tokens)")
         return encoding.ids
 
-    def _encode_sync(self, kind: str | None, text: str, chat: pb.ChatMessages, add_special: bool) -> list[int]:
-        if kind == "chat":
-            return self._encode_chat(chat)
-        if not text:
-            raise errors.InvalidRequest("the prompt is empty: set text (non-empty) or chat")
-        return self._encode_text(text, add_special)
+    def _encode_sync(self, kind: str | None, text: str, chat: pb.ChatMessages, add_special: bool,
+                     size: int = 0) -> list[int]:
+        try:
+            if kind == "chat":
+                return self._encode_chat(chat)
+            if not text:
+                raise errors.InvalidRequest("the prompt is empty: set text (non-empty) or chat")
+            return self._encode_text(text, add_special)
+        finally:  # the tokenizer's buffers are free by now: a large prompt's go back to the kernel
+            memory.after_prompt(size)
 
     def _check_size(self, request) -> None:
         """Refuse an oversized text prompt from its length in characters (each is >= 1 byte),
@@ -160,7 +168,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             self._slots = asyncio.Semaphore(self.limits.workers)
         async with self._slots:  # waiting here costs a coroutine, not a thread or the loop
             ids = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._encode_sync, kind, text, chat, add_special)
+                self._pool, self._encode_sync, kind, text, chat, add_special, size)
         return ids
 
     # -- RPCs ---------------------------------------------------------------------------------
