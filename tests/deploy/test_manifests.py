@@ -273,3 +273,35 @@ def test_service_names_agree_between_code_and_manifests():
         assert re.findall(r'setup_tracing\("([^"]+)"', source) == [otel_name], module
         for overlay in OVERLAYS:
             assert main_container(render(overlay), name).env["OTEL_SERVICE_NAME"] == otel_name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_decode_readiness_does_not_follow_prefill(overlay):
+    """A prefill outage must not turn every decode pod NotReady: decode serves through local prefill."""
+    c = main_container(render(overlay), "decode")
+    assert c.spec["readinessProbe"]["grpc"] == {"port": c.port("grpc"), "service": "kvwire.v1.DecodeService"}
+    assert c.spec["startupProbe"]["grpc"] == {"port": c.port("grpc")}  # the overall status: loaded
+    assert "--readiness-follows-prefill" not in c.flags()
+    assert re.search(r"--readiness-follows-prefill[^\n]*\n(?:[^\n]*\n)*?\s*opt-in", help_text("decode_svc"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_internet_egress_only_for_pods_that_fetch_the_model(overlay):
+    """HTTPS out of the cluster exists for the model fetch alone: port 443 only, public addresses
+    only, and only pods with the fetch init container get it (a NetworkPolicy cannot narrow it to
+    the init container itself: see the comment on kvwire-egress-model-fetch)."""
+    objs = render(overlay)
+    for policy in of_kind(objs, "NetworkPolicy"):
+        for rule in policy["spec"].get("egress", []):
+            blocks = [t["ipBlock"] for t in rule.get("to", []) if "ipBlock" in t]
+            if not blocks:
+                continue
+            assert policy["metadata"]["name"] == "kvwire-egress-model-fetch"
+            assert [p["port"] for p in rule["ports"]] == [443]
+            assert all(b["cidr"] == "0.0.0.0/0" and set(b["except"]) >= {"10.0.0.0/8", "172.16.0.0/12",
+                                                                        "192.168.0.0/16"} for b in blocks)
+            for dep in of_kind(objs, "Deployment"):
+                if selects(policy["spec"]["podSelector"], dep["spec"]["template"]["metadata"]["labels"]):
+                    inits = containers(objs, dep, init=True)
+                    assert [c.argv[:3] for c in inits] == [("python", "-m", "tools.fetch_model")], \
+                        dep["metadata"]["name"]
