@@ -12,20 +12,27 @@ in) the heap. Here, unlike the engine (kvwire/malloc.py keeps freed memory for f
 - at most ``ARENA_MAX`` arenas: the tokenizer's threads share the freed memory instead of each
   keeping its own;
 - after a prompt of at least ``LARGE_PROMPT_BYTES`` is tokenized, ``malloc_trim(0)`` returns free
-  pages from every arena (milliseconds, next to the ~2 s a 1 MiB prompt takes to tokenize).
+  pages from every arena (milliseconds, next to the ~2 s a 1 MiB prompt takes to tokenize);
+- ``RECLAIM_DELAY_S`` after such a request, a full garbage collection and another trim
+  (``Reclaimer``; at most one per delay): a failed call leaves its request, tracebacks and gRPC call
+  state in reference cycles (asyncio futures, grpc's RPC state and its AbortError), which otherwise
+  wait for a generation-2 collection, minutes apart in this process (~12 ms per collection).
 
 See docs/decisions/050-front-door-memory.md for the measurements. A no-op where libc is not glibc.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
+import gc
 import os
 
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
 MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept fixed (not raised adaptively)
 ARENA_MAX = 2
 LARGE_PROMPT_BYTES = 256 << 10
+RECLAIM_DELAY_S = 0.25  # after the request: its call has ended and its cycles are garbage by then
 
 
 @functools.cache
@@ -55,5 +62,30 @@ def return_freed_memory() -> bool:
 
 def after_prompt(nbytes: int) -> None:
     """Called once a prompt of ``nbytes`` is tokenized (or refused) and its buffers are freed."""
-    if nbytes >= LARGE_PROMPT_BYTES and return_freed_memory() and (libc := _libc()) is not None:
+    if nbytes >= LARGE_PROMPT_BYTES:
+        trim()
+
+
+def trim() -> None:
+    if return_freed_memory() and (libc := _libc()) is not None:
         libc.malloc_trim(0)
+
+
+class Reclaimer:
+    """``soon()`` (event loop): one full collection and trim ``RECLAIM_DELAY_S`` later; calls in
+    the meantime join it. Memory a large request left is back within the delay, even when idle."""
+
+    def __init__(self, delay_s: float = RECLAIM_DELAY_S):
+        self.delay_s = delay_s
+        self._pending: asyncio.TimerHandle | None = None
+        self.runs = 0
+
+    def soon(self) -> None:
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().call_later(self.delay_s, self._run)
+
+    def _run(self) -> None:
+        self._pending = None
+        self.runs += 1
+        gc.collect()
+        trim()

@@ -104,6 +104,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         self.limits = limits
         self._detok_decode = partial(tokenizer.decode, skip_special_tokens=True)
         memory.return_freed_memory()  # this process's malloc policy (tokenizer_svc/memory.py)
+        self.reclaimer = memory.Reclaimer()
         self._pool = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="tokenize")
         self._slots: asyncio.Semaphore | None = None  # made in the serving loop, on first use
 
@@ -171,13 +172,21 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                 self._pool, self._encode_sync, kind, text, chat, add_special, size)
         return ids
 
+    def reclaim_after(self, request) -> None:
+        """A large request's memory goes back to the kernel once its call has ended (memory.py)."""
+        if request.ByteSize() >= memory.LARGE_PROMPT_BYTES:
+            self.reclaimer.soon()
+
     # -- RPCs ---------------------------------------------------------------------------------
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        self._check_size(request)
-        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await self._encode(request.WhichOneof("input"), request.text, request.chat, add_special)
-        return pb.TokenizeResponse(token_ids=ids, tokens=[self.tok.tok.id_to_token(i) for i in ids])
+        try:
+            self._check_size(request)
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = await self._encode(request.WhichOneof("input"), request.text, request.chat, add_special)
+            return pb.TokenizeResponse(token_ids=ids, tokens=[self.tok.tok.id_to_token(i) for i in ids])
+        finally:
+            self.reclaim_after(request)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         self._check_ids(request.token_ids, "token_ids")
@@ -187,9 +196,12 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     async def GenerateText(self, request: pb.GenerateTextRequest, context):
         responses = self.generate_text(request, context.time_remaining())
         close_when_rpc_ends(context, responses)  # a cancelled caller cancels decode now, not at GC time
-        async with contextlib.aclosing(responses):
-            async for response in responses:
-                yield response
+        try:
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
+        finally:
+            self.reclaim_after(request)
 
     async def generate_text(self, request: pb.GenerateTextRequest, timeout: float | None):
         """The text pipeline without the transport (gRPC above; the OpenAI HTTP door in
