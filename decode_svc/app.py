@@ -54,7 +54,7 @@ async def serve(args: EngineArgs) -> None:
     decode.start()
     metrics.watch_pool(decode.stats)  # running/waiting requests, KV pool use
     lazy.set(DecodeServicer(decode))
-    first = await watch.check() if watch else True  # before SERVING: readiness right from the first probe
+    first = await watch.first_check() if watch else True  # before SERVING: remote on from the first request
     await server.set_serving()
     if watch:
         await watch.start(first)

@@ -50,7 +50,7 @@ def _peer_vars(peer: str) -> list[EnvVar]:
 
 _VARS = [
     # the library and the kernels
-    _v("KVWIRE_MALLOC", str, "auto", "0: keep glibc's malloc thresholds (kvwire/malloc.py)"),
+    _v("KVWIRE_MALLOC", str, "auto", "0: leave glibc's malloc settings alone (engines: kvwire/malloc.py; front door: tokenizer_svc/memory.py)"),
     _v("KVWIRE_CPU_KERNELS", str, "auto", "CPU C kernels: auto (when they build or are prebuilt), 0 (off), "
        "1 (required)"),
     _v("KVWIRE_KERNEL_CACHE", Path, Path.home() / ".cache" / "kvwire" / "kernels",
@@ -94,6 +94,8 @@ _VARS = [
     _v("MALLOC_MMAP_THRESHOLD_", int, None, "glibc's own setting: when set, kvwire/malloc.py leaves malloc alone",
        "external"),
     _v("MALLOC_TRIM_THRESHOLD_", int, None, "as MALLOC_MMAP_THRESHOLD_", "external"),
+    _v("MALLOC_ARENA_MAX", int, None, "glibc's own setting: when set, tokenizer_svc/memory.py leaves malloc alone",
+       "external"),
 ]
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}
 

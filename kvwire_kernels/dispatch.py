@@ -7,38 +7,63 @@ which the interpreted kernel tests depend on (triton.jit reads it when decoratin
 """
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
 
 from kvwire_kernels import reference
 
+log = logging.getLogger(__name__)
+
 _triton_kv: types.ModuleType | None = None
 _triton_tried = False
 
 
-def _impl(t: torch.Tensor) -> types.ModuleType:
+def _wants_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _triton() -> types.ModuleType | None:
     global _triton_kv, _triton_tried
-    if not t.is_cuda:
-        return reference
     if not _triton_tried:
         _triton_tried = True
         try:
             from kvwire_kernels import triton_kv
             _triton_kv = triton_kv
-        except Exception:  # noqa: BLE001 - no triton, or no usable backend: the reference runs on CUDA too
+        except Exception as e:  # noqa: BLE001 - no triton, or no usable backend: the reference runs on CUDA too
+            log.warning("Triton is not usable (%s: %s); the KV page ops run the PyTorch reference", type(e).__name__, e)
             _triton_kv = None
-    return _triton_kv or reference
+    return _triton_kv
+
+
+def _call(name: str, t: torch.Tensor, *args):
+    """``name`` from Triton when ``t`` is on the GPU and Triton works, else from the reference.
+
+    A Triton kernel is compiled, and its C launcher built with the host's C compiler, at its first
+    launch: a failure there (no compiler in the image, no driver, a backend bug) is logged once
+    and every later call takes the reference path instead of failing the request. A launch error
+    is raised before the kernel writes anything, so the reference redoes the whole op."""
+    global _triton_kv
+    mod = _triton() if _wants_triton(t) else None
+    if mod is not None:
+        try:
+            return getattr(mod, name)(*args)
+        except Exception as e:  # noqa: BLE001
+            log.error("Triton kernel %s failed at launch (%s: %s); the KV page ops use the PyTorch reference "
+                      "from now on", name, type(e).__name__, e)
+            _triton_kv = None
+    return getattr(reference, name)(*args)
 
 
 def write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping) -> None:
     """Quantize and write new K/V into their slots, in place (see ``kvwire_kernels.reference.write_kv``)."""
-    _impl(k_pages).write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping)
+    _call("write_kv", k_pages, k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping)
 
 
 def dequantize_pages(pages, scales, page_ids) -> torch.Tensor:
     """float32 [n, num_kv_heads, block_size, head_dim] (see ``kvwire_kernels.reference.dequantize_pages``)."""
-    return _impl(pages).dequantize_pages(pages, scales, page_ids)
+    return _call("dequantize_pages", pages, pages, scales, page_ids)
 
 
 def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context_lens,
@@ -47,5 +72,5 @@ def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, 
 
     A row is a sequence's block table plus the query's context length, so several queries of
     one sequence (a speculative verification) are several rows sharing a table, in one call."""
-    return _impl(q).paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables,
-                                           context_lens, window, sm_scale)
+    return _call("paged_decode_attention", q, q, k_pages, v_pages, k_scale, v_scale, block_tables,
+                 context_lens, window, sm_scale)

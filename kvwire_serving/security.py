@@ -101,7 +101,7 @@ class ClientSecurity:
         tokens = TokenSet.from_file(self.token_file).tokens
         if not tokens:
             raise ValueError(f"{self.token_file} holds no token")
-        return [BearerTokenInterceptor(tokens[0])]
+        return bearer_token_interceptors(tokens[0])
 
 
 class TokenSet:
@@ -186,9 +186,8 @@ def _guarded(behavior: Callable, check: Callable, method: str) -> Callable:
     return unary
 
 
-class BearerTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                             grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+class _BearerToken:
+    """Adds ``authorization: Bearer <token>`` to a call's metadata."""
 
     def __init__(self, token: str):
         self._pair = ("authorization", f"Bearer {token}")
@@ -196,17 +195,33 @@ class BearerTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.Unar
     def _details(self, d):
         return d._replace(metadata=grpc.aio.Metadata(*(tuple(d.metadata or ()) + (self._pair,))))
 
+
+# One class per call kind, never one class for all four: grpc.aio files each client interceptor
+# under the first kind it subclasses (an if/elif over the four bases), so a class deriving from
+# all four would run on unary-unary calls only and streaming calls would go out without a token.
+class _UnaryUnaryBearer(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _UnaryStreamBearer(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _StreamUnaryBearer(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
+
+class _StreamStreamBearer(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
+
+
+def bearer_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that send ``token`` on every call of a channel, whatever its kind."""
+    return [cls(token) for cls in (_UnaryUnaryBearer, _UnaryStreamBearer, _StreamUnaryBearer, _StreamStreamBearer)]
 
 
 # -- from parsed flags (kvwire.args: SecurityArgs, PeerArgs, ServingArgs) ---------------------------

@@ -25,6 +25,7 @@ import logging
 import re
 import signal
 import time
+from functools import partial
 from typing import Any, Callable
 
 import grpc
@@ -35,6 +36,7 @@ from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_serv
 from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
 
 from kvwire import errors, metrics
+from kvwire_serving.request_decode import message_class, parse_request
 from kvwire_serving.security import ClientSecurity, ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -121,10 +123,15 @@ async def _abort_with(exc: Exception, context: grpc.aio.ServicerContext, method:
     await context.abort(code, message)
 
 
-def _wrap(behavior: Callable, method: str, response_streaming: bool) -> Callable:
+def _wrap(behavior: Callable, method: str, response_streaming: bool,
+          parse: Callable[[bytes], Any] | None = None) -> Callable:
+    """``parse``: the request arrives as bytes and is parsed here, where a parse error can become
+    INVALID_ARGUMENT (gRPC's own parse would answer UNKNOWN)."""
     if response_streaming and inspect.isasyncgenfunction(behavior):
         async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext):
             try:
+                if parse is not None:
+                    request = parse(request)
                 # aclosing: on cancellation the handler's own `finally` runs now, not at GC time.
                 async with contextlib.aclosing(behavior(request, context)) as responses:
                     async for response in responses:
@@ -137,6 +144,8 @@ def _wrap(behavior: Callable, method: str, response_streaming: bool) -> Callable
     if inspect.iscoroutinefunction(behavior):  # unary response, or streaming via context.write
         async def wrapper(request: Any, context: grpc.aio.ServicerContext):
             try:
+                if parse is not None:
+                    request = parse(request)
                 return await behavior(request, context)
             except grpc.aio.AbortError:
                 raise
@@ -188,8 +197,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         kind = ("stream" if handler.request_streaming else "unary") + "_" + (
             "stream" if handler.response_streaming else "unary")
-        return handler._replace(**{kind: _wrap(getattr(handler, kind), method,
-                                               handler.response_streaming)})
+        behavior = getattr(handler, kind)
+        wrapped = inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
+        cls = None if handler.request_streaming or not wrapped else message_class(handler.request_deserializer)
+        parse = None if cls is None else partial(parse_request, cls)
+        if parse is not None:  # bytes in: parsed inside the wrapper (see kvwire_serving/request_decode.py)
+            handler = handler._replace(request_deserializer=None)
+        return handler._replace(**{kind: _wrap(behavior, method, handler.response_streaming, parse)})
 
 
 def _traced() -> Callable:

@@ -22,7 +22,8 @@ class IncrementalDetokenizer:
     Contract: concatenating every ``add()`` result and ``flush()`` equals ``decode(all ids)`` (for
     byte-level tokenizers), and no ``add()`` result contains U+FFFD unless the model generated
     genuinely invalid bytes. ``flush()`` releases whatever is still pending, U+FFFD included when
-    generation ended in the middle of a character.
+    generation ended in the middle of a character; ``finish()`` (what the services use) drops that
+    incomplete tail instead and says so.
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], context_ids: Sequence[int] = ()):
@@ -39,6 +40,14 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         return self._advance(final=True)
+
+    def finish(self) -> tuple[str, bool]:
+        """The pending text at the end of generation, less an incomplete character at its very end
+        (generation stopped inside it): ``(text, dropped)``. What a client is sent, so that no
+        delta ever ends in U+FFFD; ``dropped`` says the tail was cut."""
+        text = self.flush()
+        kept = text.rstrip(REPLACEMENT)
+        return kept, len(kept) != len(text)
 
     def _advance(self, final: bool) -> str:
         if self._read_offset == len(self._ids):

@@ -191,13 +191,16 @@ class OpenAIHttpServer:
                           "messages", "no_chat_template")
         responder = Responder(chat, self.model_id, request_id)
         # aclosing: leaving early (disconnect, error) closes the pipeline now, which cancels decode.
-        async with contextlib.aclosing(self.servicer.generate_text(parsed.request, None)) as pieces:
-            # The first piece comes before any byte is sent, so errors found up to the first token
-            # (bad prompt, context too long, decode down) still get their own HTTP status.
-            first = await anext(pieces)
-            if not parsed.stream:
-                return await self._whole(first, pieces, responder)
-            return await self._stream(request, parsed, first, pieces, responder)
+        try:
+            async with contextlib.aclosing(self.servicer.generate_text(parsed.request, None)) as pieces:
+                # The first piece comes before any byte is sent, so errors found up to the first token
+                # (bad prompt, context too long, decode down) still get their own HTTP status.
+                first = await anext(pieces)
+                if not parsed.stream:
+                    return await self._whole(first, pieces, responder)
+                return await self._stream(request, parsed, first, pieces, responder)
+        finally:
+            self.servicer.reclaim_after(parsed.request)  # a large body's memory back (tokenizer_svc/memory.py)
 
     @staticmethod
     async def _whole(first: pb.GenerateTextResponse, rest: AsyncIterator[pb.GenerateTextResponse],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +37,38 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 def parse_json(raw: bytes) -> dict[str, Any]:
     def no_constants(name: str):  # NaN / Infinity are not JSON; Python's json would accept them
         raise ValueError(f"{name} is not a JSON number")
+    # surrogateescape: bytes that are not UTF-8 become lone surrogates inside their string, so the
+    # field holding them can be named below instead of refusing the whole body without a clue.
+    text = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
     try:
-        body = json.loads(raw, parse_constant=no_constants)
+        body = json.loads(text, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as e:
         raise invalid(f"the request body is not valid JSON: {e}", None, "invalid_json") from e
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_json")
+    bad = _not_unicode(body, "")
+    if bad is not None:
+        raise invalid(f"{bad or 'a field name'} is not valid UTF-8 text (undecodable bytes or a lone surrogate "
+                      "escape)", bad or None)
     return body
+
+
+def _not_unicode(v: Any, path: str) -> str | None:
+    """The path of the first string (value or key) holding a lone surrogate, else None."""
+    if isinstance(v, str):
+        return path if _SURROGATE.search(v) else None
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, item in items:
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return path  # the key itself: name its parent
+        sub = f"{path}.{k}" if isinstance(k, str) and path else k if isinstance(k, str) else f"{path}[{k}]"
+        found = _not_unicode(item, sub)
+        if found is not None:
+            return found
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # -- field readers (each names its param on a bad value) ------------------------------------------

@@ -33,6 +33,7 @@ from kvwire.validation import RequestLimits, check_token_ids, validate_request
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from protos import convert as conv
+from tokenizer_svc import memory
 from tokenizer_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name
@@ -102,6 +103,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         self.model_name = model_name
         self.limits = limits
         self._detok_decode = partial(tokenizer.decode, skip_special_tokens=True)
+        memory.return_freed_memory()  # this process's malloc policy (tokenizer_svc/memory.py)
+        self.reclaimer = memory.Reclaimer()
         self._pool = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="tokenize")
         self._slots: asyncio.Semaphore | None = None  # made in the serving loop, on first use
 
@@ -129,17 +132,23 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         # loop (health, other requests) keeps running while a long prompt is tokenized. The token
         # cap is checked on the Rust encoding, before its ids become a (GIL-bound) Python list.
         [encoding] = self.tok.tok.encode_batch([text], add_special_tokens=add_special)
-        if len(encoding) > self.limits.max_tokens:
-            raise errors.InvalidRequest(f"the prompt is {len(encoding)} tokens; at most {self.limits.max_tokens} "
+        n = len(encoding)
+        if n > self.limits.max_tokens:
+            del encoding
+            raise errors.InvalidRequest(f"the prompt is {n} tokens; at most {self.limits.max_tokens} "
                                         "are accepted (--max-prompt-tokens)")
         return encoding.ids
 
-    def _encode_sync(self, kind: str | None, text: str, chat: pb.ChatMessages, add_special: bool) -> list[int]:
-        if kind == "chat":
-            return self._encode_chat(chat)
-        if not text:
-            raise errors.InvalidRequest("the prompt is empty: set text (non-empty) or chat")
-        return self._encode_text(text, add_special)
+    def _encode_sync(self, kind: str | None, text: str, chat: pb.ChatMessages, add_special: bool,
+                     size: int = 0) -> list[int]:
+        try:
+            if kind == "chat":
+                return self._encode_chat(chat)
+            if not text:
+                raise errors.InvalidRequest("the prompt is empty: set text (non-empty) or chat")
+            return self._encode_text(text, add_special)
+        finally:  # the tokenizer's buffers are free by now: a large prompt's go back to the kernel
+            memory.after_prompt(size)
 
     def _check_size(self, request) -> None:
         """Refuse an oversized text prompt from its length in characters (each is >= 1 byte),
@@ -160,16 +169,24 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             self._slots = asyncio.Semaphore(self.limits.workers)
         async with self._slots:  # waiting here costs a coroutine, not a thread or the loop
             ids = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._encode_sync, kind, text, chat, add_special)
+                self._pool, self._encode_sync, kind, text, chat, add_special, size)
         return ids
+
+    def reclaim_after(self, request) -> None:
+        """A large request's memory goes back to the kernel once its call has ended (memory.py)."""
+        if request.ByteSize() >= memory.LARGE_PROMPT_BYTES:
+            self.reclaimer.soon()
 
     # -- RPCs ---------------------------------------------------------------------------------
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        self._check_size(request)
-        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await self._encode(request.WhichOneof("input"), request.text, request.chat, add_special)
-        return pb.TokenizeResponse(token_ids=ids, tokens=[self.tok.tok.id_to_token(i) for i in ids])
+        try:
+            self._check_size(request)
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = await self._encode(request.WhichOneof("input"), request.text, request.chat, add_special)
+            return pb.TokenizeResponse(token_ids=ids, tokens=[self.tok.tok.id_to_token(i) for i in ids])
+        finally:
+            self.reclaim_after(request)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         self._check_ids(request.token_ids, "token_ids")
@@ -179,9 +196,12 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
     async def GenerateText(self, request: pb.GenerateTextRequest, context):
         responses = self.generate_text(request, context.time_remaining())
         close_when_rpc_ends(context, responses)  # a cancelled caller cancels decode now, not at GC time
-        async with contextlib.aclosing(responses):
-            async for response in responses:
-                yield response
+        try:
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
+        finally:
+            self.reclaim_after(request)
 
     async def generate_text(self, request: pb.GenerateTextRequest, timeout: float | None):
         """The text pipeline without the transport (gRPC above; the OpenAI HTTP door in
@@ -230,7 +250,10 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                     completion += len(ids)
                     timer.tokens(len(ids))
                     finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                    text = detok.add(ids) + (detok.flush() if finished else "")
+                    text, dropped = detok.add(ids), False
+                    if finished:  # an incomplete last character is dropped, never sent as U+FFFD
+                        tail, dropped = detok.finish()
+                        text += tail
                     safe, matched = matcher.feed(text)
                     if matched is not None:
                         call.cancel()  # the rest of the generation is not wanted
@@ -243,7 +266,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                         usage = msg.usage if msg.HasField("usage") else pb.Usage(
                             prompt_tokens=len(prompt_ids), completion_tokens=completion)
                         timer.finish(conv.finish_from_pb(msg.finish_reason).value)
-                        yield self._last(span, safe + matcher.flush(), ids, msg.finish_reason, usage)
+                        yield self._last(span, safe + matcher.flush(), ids, msg.finish_reason, usage,
+                                         partial_dropped=dropped)
                         done = True
                         continue  # read on to the stream's end, so the call (and its span) completes
                     if safe or ids:
@@ -255,11 +279,11 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
 
     @staticmethod
     def _last(span, text: str, ids: list[int], reason: int, usage: pb.Usage,
-              stop_string: str = "") -> pb.GenerateTextResponse:
+              stop_string: str = "", partial_dropped: bool = False) -> pb.GenerateTextResponse:
         span.set_attributes({
             "gen_ai.usage.output_tokens": usage.completion_tokens,
             "gen_ai.response.finish_reasons": [conv.finish_from_pb(reason).value],
         })
         return pb.GenerateTextResponse(text=text, token_ids=ids, finish_reason=reason, usage=usage,
-                                       stop_string=stop_string)
+                                       stop_string=stop_string, partial_character_dropped=partial_dropped)
 

@@ -157,9 +157,11 @@ class KVSourceArgs(Section):
                                        "DEADLINE_EXCEEDED and frees its pages")
     prefill_health_interval_s: float = arg(5.0, "how often prefill_svc's health is checked; while it is not "
                                            "SERVING, AUTO requests prefill here")
-    readiness_follows_prefill: bool = arg(True, "report kvwire.v1.DecodeService NOT_SERVING while prefill_svc is "
-                                          "unreachable (the overall health, for liveness, stays SERVING); "
-                                          "--no-readiness-follows-prefill keeps decode ready, prefilling locally")
+    readiness_follows_prefill: bool = arg(False, "opt-in: report kvwire.v1.DecodeService NOT_SERVING while "
+                                          "prefill_svc is unreachable. Off by default: decode serves through "
+                                          "its local prefill meanwhile, and a prefill outage must not take every "
+                                          "decode pod out of service (the overall health, for liveness, never "
+                                          "follows prefill)")
 
     def validate(self) -> None:
         _check(self.kv_transfer_timeout_s > 0, "--kv-transfer-timeout-s must be positive")

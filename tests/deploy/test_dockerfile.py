@@ -39,7 +39,8 @@ def build_modules() -> set[str]:
 
 
 def test_multi_stage_non_root_and_no_model_or_build_tools_in_the_final_stage():
-    build, runtime = stages()
+    """The CPU image (``--target runtime``) has no compiler; the CUDA one adds only what Triton needs."""
+    build, runtime, _cuda = stages()
     assert build[0].endswith(" AS build") and runtime[0].endswith(" AS runtime")
     user = [l for l in runtime if l.startswith("USER ")]
     assert user and user[-1].split()[1].split(":")[0] not in ("0", "root")
@@ -55,8 +56,23 @@ def test_multi_stage_non_root_and_no_model_or_build_tools_in_the_final_stage():
     assert 'torch==2.13.0' in (REPO / "tools" / "setup.sh").read_text()
 
 
+def test_cuda_image_carries_a_c_compiler_for_triton_and_stays_non_root():
+    """Triton builds its kernels' C launchers with the host's C compiler at first launch."""
+    _, _, cuda = stages()
+    assert cuda[0] == "FROM runtime AS runtime-cuda"
+    installs = [l for l in cuda if l.startswith("RUN ") and "apt-get install" in l]
+    assert installs and re.search(r"\bgcc\b", installs[0]) and "libc6-dev" in installs[0]
+    assert "rm -rf /var/lib/apt/lists/*" in installs[0]
+    assert not any("COPY " in l or "pip install" in l for l in cuda)  # nothing else comes in
+    user = [l for l in cuda if l.startswith("USER ")]
+    assert user[-1] == "USER 10001:10001"
+    assert any(l.startswith("ENV TRITON_CACHE_DIR=/tmp/") for l in cuda)  # / is read-only in Kubernetes
+    usage = DOCKERFILE.read_text()
+    assert "--target runtime-cuda -t kvwire:0.1.0-cuda" in usage and "--target runtime -t kvwire:0.1.0-cpu" in usage
+
+
 def test_every_copied_path_exists():
-    build, _ = stages()
+    build, *_ = stages()
     for line in build:
         if line.startswith("COPY ") and "--from=" not in line:
             *sources, _dest = shlex.split(line)[1:]

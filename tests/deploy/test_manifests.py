@@ -221,6 +221,34 @@ def test_gpu_overlay_requests_gpus_and_the_cuda_image():
     assert "nvidia.com/gpu" not in main_container(gpu, "tokenizer").spec["resources"]["limits"]
 
 
+def test_gpu_overlay_runs_the_front_door_on_the_cpu_image():
+    """The tokenizer never touches a GPU: the CUDA image (CUDA libraries, a C compiler) is not its."""
+    gpu = render("gpu")
+    dep = one(gpu, "Deployment", "tokenizer")
+    pod = dep["spec"]["template"]["spec"]
+    assert {c["image"] for c in pod["containers"] + pod.get("initContainers", [])} == {"kvwire:0.1.0-cpu"}
+    assert main_container(gpu, "decode").spec["image"] == "kvwire:0.1.0-cuda"
+    assert main_container(render("cpu"), "tokenizer").spec["image"] == "kvwire:0.1.0-cpu"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicated_deployments_spread_over_zones_and_nodes(overlay):
+    objs = render(overlay)
+    for dep in kvwire_deployments(objs):
+        name = dep["metadata"]["name"]
+        replicas = max(dep["spec"].get("replicas", 1), *[h["spec"]["maxReplicas"] for h in
+                       of_kind(objs, "HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == name])
+        assert replicas > 1, name
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        spread = dep["spec"]["template"]["spec"].get("topologySpreadConstraints", [])
+        assert {c["topologyKey"] for c in spread} == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}, name
+        for c in spread:
+            assert selects(c["labelSelector"], labels), f"{name}: the spread does not count its own pods"
+            assert c["maxSkew"] == 1 and "pod-template-hash" in c.get("matchLabelKeys", []), name
+            # Never DoNotSchedule: a small cluster must run every replica and a drain must never block.
+            assert c["whenUnsatisfiable"] == "ScheduleAnyway", name
+
+
 def test_every_flag_the_manifests_pass_exists():
     """Each container's command starts (``--help``) and accepts every flag the manifests give it."""
     seen: dict[str, set[str]] = {}
@@ -241,7 +269,39 @@ def test_service_names_agree_between_code_and_manifests():
     """The OTel service.name a service picks by itself is the one the manifests set and Jaeger users
     are told to pick (the running services are checked in tests/integration/test_trace_metrics.py)."""
     for name, (module, otel_name, _) in SERVICES.items():
-        source = (REPO / module / "__main__.py").read_text()
+        source = "".join(p.read_text() for p in (REPO / module / "__main__.py", REPO / module / "app.py") if p.exists())
         assert re.findall(r'setup_tracing\("([^"]+)"', source) == [otel_name], module
         for overlay in OVERLAYS:
             assert main_container(render(overlay), name).env["OTEL_SERVICE_NAME"] == otel_name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_decode_readiness_does_not_follow_prefill(overlay):
+    """A prefill outage must not turn every decode pod NotReady: decode serves through local prefill."""
+    c = main_container(render(overlay), "decode")
+    assert c.spec["readinessProbe"]["grpc"] == {"port": c.port("grpc"), "service": "kvwire.v1.DecodeService"}
+    assert c.spec["startupProbe"]["grpc"] == {"port": c.port("grpc")}  # the overall status: loaded
+    assert "--readiness-follows-prefill" not in c.flags()
+    assert re.search(r"--readiness-follows-prefill[^\n]*\n(?:[^\n]*\n)*?\s*opt-in", help_text("decode_svc"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_internet_egress_only_for_pods_that_fetch_the_model(overlay):
+    """HTTPS out of the cluster exists for the model fetch alone: port 443 only, public addresses
+    only, and only pods with the fetch init container get it (a NetworkPolicy cannot narrow it to
+    the init container itself: see the comment on kvwire-egress-model-fetch)."""
+    objs = render(overlay)
+    for policy in of_kind(objs, "NetworkPolicy"):
+        for rule in policy["spec"].get("egress", []):
+            blocks = [t["ipBlock"] for t in rule.get("to", []) if "ipBlock" in t]
+            if not blocks:
+                continue
+            assert policy["metadata"]["name"] == "kvwire-egress-model-fetch"
+            assert [p["port"] for p in rule["ports"]] == [443]
+            assert all(b["cidr"] == "0.0.0.0/0" and set(b["except"]) >= {"10.0.0.0/8", "172.16.0.0/12",
+                                                                        "192.168.0.0/16"} for b in blocks)
+            for dep in of_kind(objs, "Deployment"):
+                if selects(policy["spec"]["podSelector"], dep["spec"]["template"]["metadata"]["labels"]):
+                    inits = containers(objs, dep, init=True)
+                    assert [c.argv[:3] for c in inits] == [("python", "-m", "tools.fetch_model")], \
+                        dep["metadata"]["name"]

@@ -345,3 +345,27 @@ def test_chat_on_a_model_without_a_chat_template_is_400(model_dir, tmp_path):
     err = run(main())
     assert err.body["param"] == "messages" and "/v1/completions" in err.body["message"]
     assert not decode.requests
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/completions", b'{"model": "tiny", "prompt": "\xff\xfeThe \xc3\x28"}', "prompt"),
+    ("/completions", b'{"model": "tiny", "prompt": ["\\ud800"]}', "prompt[0]"),
+    ("/completions", b'{"model": "tiny", "prompt": "Hi", "stop": ["a", "\xc3"]}', "stop[1]"),
+    ("/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "ok\xed\xa0\x80"}]}',
+     "messages[0].content"),
+    ("/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                          b'"text": "\\udc00"}]}]}', "messages[0].content[0].text"),
+])
+def test_text_that_is_not_utf8_is_400_naming_the_param(tokenizer, path, body, param):
+    """Undecodable bytes or a lone surrogate escape in any JSON string: 400 naming where, before any work."""
+    decode = ScriptedDecode(tokenizer.encode("ok", add_special_tokens=False))
+
+    async def main():
+        async with door(tokenizer, decode) as (_, base):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(base + path, data=body, headers={"Content-Type": "application/json"}) as r:
+                    return r.status, await r.json()
+    status, payload = run(main())
+    assert status == 400, payload
+    assert payload["error"]["param"] == param and "UTF-8" in payload["error"]["message"], payload
+    assert not decode.requests

@@ -224,3 +224,39 @@ def test_rpc_end_cancels_decode_even_if_grpc_leaves_the_handler_suspended(tokeni
                     gc.enable()
                 return handler is not None
     assert run(main())
+
+
+@pytest.mark.parametrize("text", ["한국어로 말해요", "emoji 👩‍👩‍👧 end", "你好世界"])
+def test_generation_stopped_mid_character_never_sends_half_of_it(tokenizer, text):
+    """Decode stops (max_tokens) inside a multi-byte character: no delta ends in U+FFFD, the
+    incomplete tail is dropped and the last message says so; a complete reply says nothing."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith(REPLACEMENT)]
+    assert cuts  # the premise: this text is split inside characters by this tokenizer
+
+    async def main(reply):
+        async with stack(tokenizer, FakeDecode(reply)) as stub:
+            return await collect(stub, pb.GenerateTextRequest(
+                text="Hi", sampling=pb.SamplingParams(max_tokens=len(reply))))
+    for k in cuts:
+        msgs = run(main(ids[:k]))
+        assert not any(m.text.endswith(REPLACEMENT) for m in msgs), [m.text for m in msgs]
+        assert "".join(m.text for m in msgs) == tokenizer.decode(ids[:k]).rstrip(REPLACEMENT)
+        assert [t for m in msgs for t in m.token_ids] == ids[:k]  # the dropped bytes' tokens are still listed
+        assert msgs[-1].partial_character_dropped and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    msgs = run(main(ids))
+    assert "".join(m.text for m in msgs) == text and not msgs[-1].partial_character_dropped
+
+
+def test_detokenizer_finish_drops_only_an_incomplete_tail(tokenizer):
+    from tokenizer_svc.detokenizer import IncrementalDetokenizer
+    ids = tokenizer.encode("한국어", add_special_tokens=False)
+    k = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith(REPLACEMENT))
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    pieces = [detok.add([i]) for i in ids[:k]]
+    tail, dropped = detok.finish()
+    assert dropped and not tail.endswith(REPLACEMENT)
+    assert "".join(pieces) + tail == tokenizer.decode(ids[:k]).rstrip(REPLACEMENT)
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    assert "".join(detok.add([i]) for i in ids) + detok.finish()[0] == "한국어"
+    assert detok.finish() == ("", False)
