@@ -18,6 +18,7 @@ from kvwire_serving.telemetry import Telemetry, setup_tracing, start_metrics_ser
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.openai_http import OpenAIHttpServer
+from tokenizer_svc.routing import POLICIES, PrefixRouter, RoutingConfig
 from tokenizer_svc.server import (DEFAULT_FRONT_DOOR_MESSAGE_BYTES, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_TOKENIZE_WORKERS,
                                   SERVICE_NAME, PromptLimits, TokenizerServiceConfig, TokenizerServicer)
 
@@ -49,7 +50,17 @@ def parse_args(argv: list[str] | None = None) -> TokenizerServiceConfig:
                    help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                         "/v1/models) on HOST:PORT, e.g. 127.0.0.1:8000; off if unset. Its model id is --model-name")
     security.add_serving_args(p, peers=("decode",))
+    # ---- decode routing (tokenizer_svc/routing.py) -------------------------------------------
+    p.add_argument("--decode-routing", choices=POLICIES, default=RoutingConfig.policy,
+                   help="round_robin: gRPC spreads calls over --decode-addr's addresses; prefix: one channel "
+                        "per decode replica and consistent hashing on the prompt's first KV page (bounded "
+                        "load), so prompts sharing a prefix reach the replica whose prefix cache holds it")
+    p.add_argument("--decode-routing-load-factor", type=float, default=RoutingConfig.load_factor,
+                   help="prefix routing: a replica takes at most this x the mean in-flight load (>= 1)")
+    # ---- end decode routing ---------------------------------------------------------------------
     a = p.parse_args(argv)
+    if a.decode_routing_load_factor < 1:
+        p.error("--decode-routing-load-factor must be >= 1")
     return TokenizerServiceConfig(
         model_dir=a.model_dir, listen=a.listen, decode_addr=a.decode_addr,
         model_name=a.model_name or Path(a.model_dir).resolve().name,
@@ -57,15 +68,18 @@ def parse_args(argv: list[str] | None = None) -> TokenizerServiceConfig:
         metrics_port=a.metrics_port, metrics_host=security.metrics_host(a), http_listen=a.http_listen,
         max_prompt_bytes=a.max_prompt_bytes, max_prompt_tokens=a.max_prompt_tokens,
         tokenize_workers=a.tokenize_workers, reflection=not a.no_reflection,
-        security=security.server_security(a), decode_security=security.client_security(a, "decode"))
+        security=security.server_security(a), decode_security=security.client_security(a, "decode"),
+        routing=RoutingConfig(policy=a.decode_routing, load_factor=a.decode_routing_load_factor))
 
 
 async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
     server = GrpcServer(max_message_bytes=cfg.max_message_bytes, security=cfg.security, reflection=cfg.reflection)
     channel = build_channel(cfg.decode_addr, security=cfg.decode_security)  # the default (8 MiB) limit
+    router = PrefixRouter(cfg.decode_addr, lambda addr: build_channel(addr, security=cfg.decode_security),
+                          cfg.routing) if cfg.routing.policy == "prefix" else None
     tokenizer = ModelTokenizer(cfg.model_dir)
     limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens, cfg.tokenize_workers)
-    servicer = TokenizerServicer(tokenizer, pb_grpc.DecodeServiceStub(channel), cfg.model_name, limits)
+    servicer = TokenizerServicer(tokenizer, router or pb_grpc.DecodeServiceStub(channel), cfg.model_name, limits)
     server.add_service(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)
     port = await server.start(cfg.listen)
     tokenizer.encode("warm up the tokenizer: 안녕하세요 👋")
@@ -76,6 +90,8 @@ async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
                                 tokens=cfg.security.interceptor().tokens if cfg.security.tokens_file else None,
                                 ssl_context=http_ssl_context(cfg.security))
         await http.start(cfg.http_listen)
+    if router is not None:
+        await router.start()
     await server.set_serving()
     log.info("tokenizer_svc serving %s on port %d, decode at %s", cfg.model_name, port, cfg.decode_addr)
     try:
@@ -83,6 +99,8 @@ async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
     finally:
         if http is not None:
             await http.stop()
+        if router is not None:
+            await router.close()
         await channel.close()
         servicer.close()
 
