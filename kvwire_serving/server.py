@@ -212,17 +212,16 @@ MAX_RECONNECT_BACKOFF_MS = 5_000
 # round_robin picks. gRPC commits a call once response headers arrive, and a server sends them
 # with its first message at the latest, so a stream that produced a token is never retried (no
 # duplicated output; tests/integration/test_retry_policy.py). No hedgingPolicy: a hedge would run
-# the same generation twice. The throttle stops retries while more than half of recent calls fail.
+# the same generation twice. No retryThrottling: a restarted replica refuses every call while it
+# loads (UNAVAILABLE), and a throttle would turn those retries into failures; 3 attempts bound the load.
 RETRY_POLICY = {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
                 "retryableStatusCodes": ["UNAVAILABLE"]}
-RETRY_THROTTLING = {"maxTokens": 100, "tokenRatio": 0.1}
 
 
 def service_config() -> dict[str, Any]:
     """Round-robin over every resolved address, with the retry rule above."""
     return {"loadBalancingConfig": [{"round_robin": {}}],
-            "methodConfig": [{"name": [{}], "retryPolicy": RETRY_POLICY}],
-            "retryThrottling": RETRY_THROTTLING}
+            "methodConfig": [{"name": [{}], "retryPolicy": RETRY_POLICY}]}
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
