@@ -18,7 +18,7 @@ from kvwire_serving.telemetry import Telemetry, setup_tracing, start_metrics_ser
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.openai_http import OpenAIHttpServer
-from tokenizer_svc.routing import POLICIES, PrefixRouter, RoutingConfig
+from tokenizer_svc.routing import POLICIES, PrefixRouter, RoutingConfig, replica_security
 from tokenizer_svc.server import (DEFAULT_FRONT_DOOR_MESSAGE_BYTES, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_TOKENIZE_WORKERS,
                                   SERVICE_NAME, PromptLimits, TokenizerServiceConfig, TokenizerServicer)
 
@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> TokenizerServiceConfig:
 async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
     server = GrpcServer(max_message_bytes=cfg.max_message_bytes, security=cfg.security, reflection=cfg.reflection)
     channel = build_channel(cfg.decode_addr, security=cfg.decode_security)  # the default (8 MiB) limit
-    router = PrefixRouter(cfg.decode_addr, lambda addr: build_channel(addr, security=cfg.decode_security),
+    replica = replica_security(cfg.decode_addr, cfg.decode_security)
+    router = PrefixRouter(cfg.decode_addr, lambda addr: build_channel(addr, security=replica),
                           cfg.routing) if cfg.routing.policy == "prefix" else None
     tokenizer = ModelTokenizer(cfg.model_dir)
     limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens, cfg.tokenize_workers)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import hashlib
 import logging
 import math
@@ -28,6 +29,7 @@ from typing import Callable, Sequence
 import grpc
 
 from kvwire.engine.prefix_cache import page_hashes
+from kvwire_serving.security import ClientSecurity
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 
@@ -59,6 +61,15 @@ def resolve(target: str) -> list[str]:
     host, _, port = name.rpartition(":")
     infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     return sorted({f"[{i[4][0]}]:{port}" if i[0] == socket.AF_INET6 else f"{i[4][0]}:{port}" for i in infos})
+
+
+def replica_security(target: str, security: ClientSecurity) -> ClientSecurity:
+    """The security of a channel to one resolved address of ``target``: with TLS, a replica found
+    through ``dns:///name:port`` is still verified as ``name`` (its certificate's), not its IP."""
+    if security.ca_file is None or security.server_name or not target.startswith("dns:"):
+        return security
+    host = target.removeprefix("dns:").lstrip("/").rpartition(":")[0].strip("[]")
+    return dataclasses.replace(security, server_name=host)
 
 
 class HashRing:

@@ -8,7 +8,9 @@ import collections
 import grpc
 import pytest
 
-from tokenizer_svc.routing import HashRing, PrefixRouter, RoutingConfig, first_page_key, resolve
+from kvwire_serving.security import ClientSecurity
+from tokenizer_svc.routing import (HashRing, PrefixRouter, RoutingConfig, first_page_key, replica_security,
+                                   resolve)
 from tools.stack import free_port
 
 ADDRS = [f"127.0.0.1:{p}" for p in (50101, 50102, 50103)]
@@ -18,6 +20,14 @@ def test_resolve_lists_names_and_plain_addresses():
     assert resolve("ipv4:127.0.0.1:1,127.0.0.1:2") == ["127.0.0.1:1", "127.0.0.1:2"]
     assert resolve("decode:50052") == ["decode:50052"]
     assert resolve("dns:///localhost:7") in (["127.0.0.1:7"], ["127.0.0.1:7", "[::1]:7"], ["[::1]:7"])
+
+
+def test_a_replica_behind_a_dns_name_is_verified_as_that_name():
+    tls = ClientSecurity(ca_file="ca.pem")
+    assert replica_security("dns:///decode.ns.svc:50052", tls).server_name == "decode.ns.svc"
+    assert replica_security("dns:///decode:50052", ClientSecurity(ca_file="ca.pem", server_name="x")).server_name == "x"
+    assert replica_security("ipv4:127.0.0.1:1,127.0.0.1:2", tls) is tls
+    assert replica_security("dns:///decode:50052", ClientSecurity()).server_name is None  # plaintext
 
 
 def test_first_page_key_depends_on_the_first_page_only():
