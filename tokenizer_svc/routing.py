@@ -23,6 +23,7 @@ import hashlib
 import logging
 import math
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -105,8 +106,7 @@ def first_page_key(prompt: Sequence[int], block_size: int) -> bytes | None:
 class Lease:
     """One request's decode replica: ``stub`` to call, ``release()`` once the call has ended."""
 
-    def __init__(self, stub: pb_grpc.DecodeServiceStub, release: Callable[[], None] = lambda: None,
-                 addr: str = ""):
+    def __init__(self, stub, release: Callable[[], None] = lambda: None, addr: str | None = ""):
         self.stub, self._release, self.addr = stub, release, addr
 
     def release(self) -> None:
@@ -169,10 +169,14 @@ class PrefixRouter:
         state = self.channels[addr].get_state(try_to_connect=True)
         return state not in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
-    def pick(self, prompt: Sequence[int]) -> str:
+    def pick(self, prompt: Sequence[int], exclude: frozenset[str] = frozenset()) -> str | None:
         """The replica for ``prompt``: its first page's owner on the ring unless that one is down
-        or over the load bound, then the next on the ring; the least-loaded one otherwise."""
-        up = [a for a in self.channels if self._up(a)] or list(self.channels)
+        or over the load bound, then the next on the ring; the least-loaded one otherwise (None:
+        every replica is in ``exclude``)."""
+        left = [a for a in self.channels if a not in exclude]
+        if not left:
+            return None
+        up = [a for a in left if self._up(a)] or left
         key = first_page_key(prompt, self.block_size)
         if key is not None:
             total = sum(self.inflight[a] for a in up) + 1  # this request included
@@ -183,14 +187,21 @@ class PrefixRouter:
         return min(up, key=lambda a: (self.inflight[a], self.routed[a]))
 
     def lease(self, prompt: Sequence[int]) -> Lease:
-        addr = self.pick(prompt)
+        lease = Lease(None, addr=self.pick(prompt))
+        lease.stub = _RetryingStub(self, lease, prompt)
+        self._take(lease, lease.addr)
+        return lease
+
+    def _take(self, lease: Lease, addr: str) -> None:
+        lease.release()  # the replica it held before, if any
         self.inflight[addr] += 1
         self.routed[addr] += 1
+        lease.addr = addr
 
         def release() -> None:
             if addr in self.inflight:
                 self.inflight[addr] -= 1
-        return Lease(self.stubs[addr], release, addr)
+        lease._release = release
 
     async def start(self) -> None:
         """Learn the page size from a replica and keep re-resolving a dns:/// target."""
@@ -229,3 +240,53 @@ class PrefixRouter:
             await asyncio.gather(self._task, return_exceptions=True)
         for channel in self.channels.values():
             await channel.close()
+
+
+class _RetryingStub:
+    """``GenerateTokens`` on the leased replica, and on the next one when a call fails UNAVAILABLE
+    before its first message: each replica has its own channel here, so gRPC's retries (same
+    channel) cannot move a call off a dead replica. A call that produced a message is never
+    retried (its tokens reached the client)."""
+
+    def __init__(self, router: PrefixRouter, lease: Lease, prompt: Sequence[int]):
+        self.router, self.lease, self.prompt = router, lease, prompt
+
+    def GenerateTokens(self, request: pb.GenerateTokensRequest, timeout: float | None = None) -> "_RetryingCall":
+        return _RetryingCall(self, request, timeout)
+
+
+class _RetryingCall:
+    def __init__(self, stub: _RetryingStub, request: pb.GenerateTokensRequest, timeout: float | None):
+        self.stub, self.request = stub, request
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.call: grpc.aio.UnaryStreamCall | None = None
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        router, lease, tried = self.stub.router, self.stub.lease, set()
+        while True:
+            tried.add(lease.addr)
+            timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+            self.call = router.stubs[lease.addr].GenerateTokens(self.request, timeout=timeout)
+            answered = False
+            try:
+                async for msg in self.call:
+                    answered = True
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as e:
+                if answered or self.cancelled or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                nxt = router.pick(self.stub.prompt, exclude=frozenset(tried))
+                if nxt is None:
+                    raise
+                log.info("decode replica %s unavailable before answering (%s); retrying on %s",
+                         lease.addr, e.details(), nxt)
+                router._take(lease, nxt)
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return self.call.cancel() if self.call is not None else False

@@ -100,3 +100,39 @@ def test_service_config_retries_only_unavailable_and_never_hedges():
     [method] = config["methodConfig"]
     assert "hedgingPolicy" not in method
     assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+
+
+@pytest.mark.parametrize("sent, retried", [(0, True), (1, False)])
+def test_prefix_routing_moves_a_call_off_a_replica_only_before_its_first_token(sent, retried):
+    """--decode-routing prefix has a channel per replica (gRPC's retries stay on it): its own retry
+    moves a call that failed UNAVAILABLE before any message to the next replica, and no other."""
+    from tokenizer_svc.routing import PrefixRouter, RoutingConfig, first_page_key
+
+    async def main():
+        flaky, up = Replica(tokens_before_failure=sent), Replica(tokens_before_failure=None)
+        servers, target = await serve([flaky, up])
+        router = PrefixRouter(target, lambda a: build_channel(a, tracing=False), RoutingConfig("prefix"))
+        flaky_addr = target.removeprefix("ipv4:").split(",")[0]
+        prompt = next(list(range(i, i + 16)) for i in range(1000)
+                      if router.ring.walk(first_page_key(list(range(i, i + 16)), 16))[0] == flaky_addr)
+        lease = router.lease(prompt)
+        assert lease.addr == flaky_addr
+        ids, code = [], grpc.StatusCode.OK
+        try:
+            async for msg in lease.stub.GenerateTokens(pb.GenerateTokensRequest(prompt_token_ids=prompt), timeout=10):
+                ids += msg.token_ids
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+        lease.release()
+        await router.close()
+        for s in servers:
+            await s.stop(0)
+        return ids, code, lease.addr != flaky_addr, flaky.calls, up.calls, sum(router.inflight.values())
+
+    ids, code, moved, flaky_calls, up_calls, inflight = asyncio.run(main())
+    if retried:
+        assert (ids, code, moved, up_calls) == ([0, 1, 2], grpc.StatusCode.OK, True, 1)
+        assert flaky_calls == 3  # gRPC's own attempts on that channel first
+    else:
+        assert (ids, code, moved, flaky_calls, up_calls) == ([0], grpc.StatusCode.UNAVAILABLE, False, 1, 0)
+    assert inflight == 0
