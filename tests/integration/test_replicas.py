@@ -5,7 +5,8 @@ Every request completes with the in-process engine's greedy tokens or ends UNAVA
 deadline (its tokens so far a prefix of the right ones, never repeated); only requests in flight
 at the dead decode replica fail (the rest are retried elsewhere, and prefill's loss is answered
 by a local prefill); traffic reaches the restarted replicas again; every pool is back to its
-baseline.
+baseline. Once with gRPC's round_robin (and retry policy) in the front door, once with
+--decode-routing prefix (a channel per replica, and the router's own retry).
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tools.stack import Stack, metric_value, metrics_text
 
+# Some over one 16-token page, so prefix routing hashes them (the others go to the least-loaded replica).
 PROMPTS = ["The for statement", "The while statement is used for", "A class definition",
            "Exceptions can be raised", "The import statement", "Lambda expressions",
-           "The return statement", "Comparisons in Python"]
+           "The return statement", "Comparisons in Python",
+           "The for statement is used to iterate over the elements of a sequence (such as a string, tuple or list)",
+           "The try statement specifies exception handlers and/or cleanup code for a group of statements"]
 MAX_TOKENS = 16
 CLIENTS = 16
 DEADLINE_S = 20.0
@@ -91,9 +95,10 @@ def requests_per_replica(stack: Stack) -> dict[str, int]:
             for service in ("decode_svc", "prefill_svc") for name in stack.replicas(service)}
 
 
-def test_kill_and_restart_one_replica_of_each_under_load(expected, tmp_path):
+@pytest.mark.parametrize("routing", ["round_robin", "prefix"])
+def test_kill_and_restart_one_replica_of_each_under_load(expected, tmp_path, routing):
     stack = Stack(decode_pages=256, prefill_pages=256, prefill_replicas=2, decode_replicas=2, metrics=True,
-                  log_dir=tmp_path, extra={"decode_svc": REMOTE_PREFILL})
+                  log_dir=tmp_path, extra={"decode_svc": REMOTE_PREFILL, "tokenizer_svc": ["--decode-routing", routing]})
     with stack:
         baseline = asyncio.run(pools_at_baseline(stack))
         results: list[dict] = []
