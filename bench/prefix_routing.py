@@ -6,9 +6,10 @@ The three services run as processes on loopback (tools.stack: 1 prefill, ``--dec
 decode with --prefix-caching, every prompt's KV pulled from prefill_svc). ``--groups``
 conversations, each its own system prompt (``--system-chars`` of held-out text) plus a new user
 turn per request, are sent turn by turn (every conversation's first turn, then every second one,
-..., in a shuffled order within a turn) by ``--clients`` concurrent clients, once per routing policy. Reports TTFT as the client sees
-it and the prefix-cache hit rate: the share of prompt pages decode did not pull from prefill
-(1 - KV bytes received / (prompt pages x page bytes), from each decode's /metrics).
+..., shuffled within a turn) by ``--clients`` concurrent clients, once per routing policy. Reports
+TTFT as the client sees it and the prefix-cache hit rate: the share of prompt pages decode did not
+pull from prefill (1 - KV bytes received / (prompt pages x page bytes), from each decode's /metrics).
+Figures and what they mean: docs/decisions/055-prefix-routing.md.
 Writes bench/out/prefix-routing-<model>-<stamp>.{json,md}.
 """
 from __future__ import annotations
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace, routing: str, convs: list[list[str]]) -> dict:
         warm = [f"warm-up {i}: " + convs[0][0][::-1] for i in range(2 * args.decode_replicas)]
         asyncio.run(drive(stack.addr("tokenizer_svc"), warm, args.clients))  # shares no page with the rest
         decodes = stack.replicas("decode_svc")
-        before = {n: metric_value(metrics_text(stack.metrics_ports[n]), "kvwire:kv_transfer_bytes_total") for n in decodes}
+        before = {n: metric_value(metrics_text(stack.metrics_ports[n]), "kvwire:kv_transfer_bytes_total")
+                  for n in decodes}
         # Turn by turn, conversations shuffled within a turn (a fixed order would let round_robin's
         # strict alternation keep each conversation on one replica by accident).
         rng = random.Random(0)
@@ -132,7 +134,8 @@ def markdown(r: dict) -> str:
             for x in r["runs"]]
     return (f"Prefix caching across {r['decode_replicas']} decode replicas, model {r['model']} (weights "
             f"{r['weights']}), {r['decode_pages']} KV pages per decode: {r['groups']} conversations x {r['turns']} "
-            f"turns, each its own system prompt, sent turn by turn (shuffled within a turn) by {r['clients']} clients.\n\n"
+            f"turns, each its own system prompt, sent turn by turn (shuffled within a turn) by {r['clients']} "
+            "clients.\n\n"
             + common.table(["routing", "requests", "prompt pages", "pages pulled from prefill", "prefix-cache hit rate",
                             "TTFT median (ms)", "TTFT p99 (ms)", "wall (s)"], rows) + "\n")
 

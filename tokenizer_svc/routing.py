@@ -8,11 +8,12 @@ consistent hashing on the prompt's first KV page name (the sha256 chain of
 ``kvwire.engine.prefix_cache.page_hashes`` over its first ``block_size`` tokens), so prompts that
 share a first page go to the replica whose prefix cache holds it, and prefix caching keeps paying
 with several replicas. The salt is the router's own, not the model's: the name is only a ring key,
-and equal first pages still give equal keys. A replica already carrying more than
-``load_factor`` x the mean in-flight load (and more than ``min_bound``) is skipped for the next one
-on the ring (bounded loads: a hot prefix cannot pile every request on one replica). Prompts shorter than a page, and requests
-whose preferred replicas are all down, go to the least-loaded reachable replica. Decisions and
-figures: see docs/decisions/055-prefix-routing.md.
+and equal first pages still give equal keys. A replica already carrying more than ``load_factor``
+x the mean in-flight load (and more than ``min_bound``) is skipped for the next one on the ring
+(bounded loads: a hot prefix cannot pile every request on one replica). Prompts shorter than a
+page, and requests whose preferred replicas are all down, go to the least-loaded reachable
+replica. A call that fails UNAVAILABLE before its first message moves to the next replica.
+Decisions and figures: see docs/decisions/055-prefix-routing.md.
 """
 from __future__ import annotations
 

@@ -135,7 +135,8 @@ async def pool_after_idle(addr: str, service: str = "decode_svc") -> tuple[int, 
 
 def served(stack: Stack, name: str) -> int | None:
     """Requests this replica received since it (re)started, from its /metrics."""
-    method = {"decode_svc": "/kvwire.v1.DecodeService/GenerateTokens", "prefill_svc": "/kvwire.v1.PrefillService/Prefill",
+    method = {"decode_svc": "/kvwire.v1.DecodeService/GenerateTokens",
+              "prefill_svc": "/kvwire.v1.PrefillService/Prefill",
               "tokenizer_svc": "/kvwire.v1.TokenizerService/GenerateText"}[name.partition(".")[0]]
     try:
         return int(metric_value(metrics_text(stack.metrics_ports[name]), "kvwire:grpc_requests_total",
