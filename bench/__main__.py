@@ -7,7 +7,8 @@ Names: serve (load on the front door), engine (ours against transformers and lla
 tokenizer (Tokenize RPC and streaming detokenize), kv (KV bytes and overlap on the wire),
 accuracy (quantization cost), disagg (served against in-process, batch 1), and speculative when
 bench/speculative.py is present, trace (one request's spans as a waterfall PNG), and prefix
-(prefix caching across the split: TTFT hit vs miss, KV bytes on the wire), serve-vs-vllm (our OpenAI
+(prefix caching across the split: TTFT hit vs miss, KV bytes on the wire), prefix-routing (prefix
+caching over two decode replicas: round_robin against --decode-routing prefix), serve-vs-vllm (our OpenAI
 door against vLLM's CPU build, both driven by `vllm bench serve`; vLLM in its own venv), kernels (the
 Triton KV kernels against the PyTorch reference on a CUDA device), memory (the services' resident
 memory against weights + KV pool). ``all`` runs
@@ -28,7 +29,7 @@ from bench import common
 
 BENCHMARKS = {"serve": "bench.serve", "engine": "bench.engine", "tokenizer": "bench.tokenizer", "kv": "bench.kv",
               "accuracy": "bench.accuracy", "disagg": "bench.disagg", "speculative": "bench.speculative",
-              "trace": "bench.trace", "prefix": "bench.prefix", "serve-vs-vllm": "bench.serve_peers",
+              "trace": "bench.trace", "prefix": "bench.prefix", "prefix-routing": "bench.prefix_routing", "serve-vs-vllm": "bench.serve_peers",
               "kernels": "bench.kernels", "memory": "bench.memory"}
 ALL = ("tokenizer", "kv", "serve", "engine")
 

@@ -1,6 +1,6 @@
 """``python -m decode_svc``: serve DecodeService (admission, KV pull, continuous batching).
 
-Flags: docs/configuration.md (declared in kvwire/args.py); the assembly: decode_svc/app.py.
+Flags: docs/configuration.md (declared in kvwire/args/sections.py); the assembly: decode_svc/app.py.
 """
 from __future__ import annotations
 

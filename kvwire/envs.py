@@ -59,7 +59,7 @@ _VARS = [
     _v("KVWIRE_AMX", str, "auto", "0: no AMX tiles in the int8 CPU kernels"),
     _v("KVWIRE_INT8_ACTIVATIONS", str, "auto", "0: int8 weights multiply fp32/bf16 activations (no VNNI path)"),
     _v("KVWIRE_BF16_ACTIVATIONS", str, "auto", "0: bf16 weights multiply fp32 activations (no AVX512-BF16 path)"),
-    # service flags' defaults (kvwire/args.py)
+    # service flags' defaults (kvwire/args/)
     _v("KVWIRE_TLS_CERT", Path, None, "server certificate chain (PEM)", flag="--tls-cert"),
     _v("KVWIRE_TLS_KEY", Path, None, "server private key (PEM)", flag="--tls-key"),
     _v("KVWIRE_TLS_CLIENT_CA", Path, None, "CA client certificates must be signed by (mTLS)", flag="--tls-client-ca"),

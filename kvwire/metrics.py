@@ -62,6 +62,7 @@ REQUEST_SUCCESS = Counter("kvwire:request_success", "Requests that finished norm
                           ["model_name", "finished_reason"])
 
 # ---- every service -----------------------------------------------------------------------------------
+GRPC_REQUESTS = Counter("kvwire:grpc_requests", "RPCs this process received, by method", ["grpc_method"])
 GRPC_ERRORS = Counter("kvwire:grpc_errors", "RPCs that ended with an error status, by method and code",
                       ["grpc_method", "grpc_code"])
 

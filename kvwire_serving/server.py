@@ -195,6 +195,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        metrics.GRPC_REQUESTS.labels(method).inc()  # per replica: where a balancer sent its calls
         kind = ("stream" if handler.request_streaming else "unary") + "_" + (
             "stream" if handler.response_streaming else "unary")
         behavior = getattr(handler, kind)
@@ -220,8 +221,24 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 MAX_RECONNECT_BACKOFF_MS = 5_000
 
 
+# Retries (gRPC's retryPolicy, every method): a call that failed UNAVAILABLE before any response
+# (the replica died, was still loading, refused the stream) is tried again on the next replica
+# round_robin picks. gRPC commits a call once response headers arrive, and a server sends them
+# with its first message at the latest, so a stream that produced a token is never retried (no
+# duplicated output; tests/integration/test_retry_policy.py). No hedgingPolicy: a hedge would run
+# the same generation twice. No retryThrottling: a restarted replica refuses every call while it
+# loads (UNAVAILABLE), and a throttle would turn those retries into failures; 3 attempts bound the load.
+RETRY_POLICY = {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"]}
+
+
+def service_config() -> dict[str, Any]:
+    """Round-robin over every resolved address, with the retry rule above."""
+    return {"loadBalancingConfig": [{"round_robin": {}}],
+            "methodConfig": [{"name": [{}], "retryPolicy": RETRY_POLICY}]}
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    service_config = {"loadBalancingConfig": [{"round_robin": {}}]}
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -230,17 +247,19 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
             # A peer that was down is retried at least this often (gRPC's default backoff grows to
             # 2 minutes): decode notices a restarted prefill within seconds.
             ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
-            ("grpc.service_config", json.dumps(service_config))]
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", json.dumps(service_config()))]
 
 
 def build_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   tracing: bool = True, tracer_provider=None,
                   security: ClientSecurity | None = None) -> grpc.aio.Channel:
-    """An aio channel to ``target`` (``host:port`` or ``dns:///name:port``): TLS / mTLS and a bearer
+    """An aio channel to ``target`` (``host:port``, ``dns:///name:port`` or ``ipv4:a:p,b:p``): TLS / mTLS and a bearer
     token when ``security`` says so, plaintext otherwise.
 
     Round-robin load balancing spreads calls over every address a ``dns:///`` name resolves to
-    (a Kubernetes headless service's replicas). Tracing injects W3C ``traceparent`` metadata.
+    (a Kubernetes headless service's replicas); calls that fail UNAVAILABLE before any response
+    are retried (``RETRY_POLICY``). Tracing injects W3C ``traceparent`` metadata.
     """
     security = security or ClientSecurity()
     interceptors = list(security.interceptors())

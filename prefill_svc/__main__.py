@@ -1,6 +1,6 @@
 """``python -m prefill_svc``: serve PrefillService (quantized prompt forward, FP8 KV pages out).
 
-Flags: docs/configuration.md (declared in kvwire/args.py).
+Flags: docs/configuration.md (declared in kvwire/args/sections.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``python -m tokenizer_svc --model-dir models/kvwire-tiny --listen 127.0.0.1:50051
 --decode-addr 127.0.0.1:50052``
 
-Flags: docs/configuration.md (declared in kvwire/args.py); the assembly: tokenizer_svc/app.py.
+Flags: docs/configuration.md (declared in kvwire/args/sections.py); the assembly: tokenizer_svc/app.py.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from kvwire_serving.server import GrpcServer, build_channel
 from kvwire_serving.telemetry import Telemetry, start_metrics_server
 from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from tokenizer_svc.openai_http import OpenAIHttpServer
+from tokenizer_svc.routing import PrefixRouter, RoutingConfig, replica_security
 from tokenizer_svc.server import SERVICE_NAME, PromptLimits, TokenizerServiceConfig, TokenizerServicer
 
 log = logging.getLogger("tokenizer_svc")
@@ -27,15 +28,19 @@ def service_config(args: EngineArgs) -> TokenizerServiceConfig:
         metrics_port=s.metrics_port, metrics_host=security.metrics_host(s), http_listen=t.http_listen,
         max_prompt_bytes=t.max_prompt_bytes, max_prompt_tokens=t.max_prompt_tokens,
         tokenize_workers=t.tokenize_workers, reflection=not s.no_reflection,
-        security=security.server_security(args.security), decode_security=security.client_security(args.peer))
+        security=security.server_security(args.security), decode_security=security.client_security(args.peer),
+        routing=RoutingConfig(policy=t.decode_routing.value, load_factor=t.decode_routing_load_factor))
 
 
 async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
     server = GrpcServer(max_message_bytes=cfg.max_message_bytes, security=cfg.security, reflection=cfg.reflection)
     channel = build_channel(cfg.decode_addr, security=cfg.decode_security)  # the default (8 MiB) limit
+    replica = replica_security(cfg.decode_addr, cfg.decode_security)
+    router = PrefixRouter(cfg.decode_addr, lambda addr: build_channel(addr, security=replica),
+                          cfg.routing) if cfg.routing.policy == "prefix" else None
     tokenizer = ModelTokenizer(cfg.model_dir)
     limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens, cfg.tokenize_workers)
-    servicer = TokenizerServicer(tokenizer, pb_grpc.DecodeServiceStub(channel), cfg.model_name, limits)
+    servicer = TokenizerServicer(tokenizer, router or pb_grpc.DecodeServiceStub(channel), cfg.model_name, limits)
     server.add_service(pb_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE_NAME)
     port = await server.start(cfg.listen)
     tokenizer.encode("warm up the tokenizer: 안녕하세요 👋")
@@ -46,6 +51,8 @@ async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
                                 tokens=cfg.security.interceptor().tokens if cfg.security.tokens_file else None,
                                 ssl_context=http_ssl_context(cfg.security))
         await http.start(cfg.http_listen)
+    if router is not None:
+        await router.start()
     await server.set_serving()
     log.info("tokenizer_svc serving %s on port %d, decode at %s", cfg.model_name, port, cfg.decode_addr)
     try:
@@ -53,6 +60,8 @@ async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
     finally:
         if http is not None:
             await http.stop()
+        if router is not None:
+            await router.close()
         await channel.close()
         servicer.close()
 

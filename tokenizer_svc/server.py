@@ -35,6 +35,7 @@ from protos.kvwire.v1 import kvwire_pb2_grpc as pb_grpc
 from protos import convert as conv
 from tokenizer_svc import memory
 from tokenizer_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tokenizer_svc.routing import PrefixRouter, RoundRobinRouter, RoutingConfig
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 MAX_STOP_STRINGS = 16
@@ -68,6 +69,7 @@ class TokenizerServiceConfig:
     reflection: bool = True
     security: ServerSecurity = field(default_factory=ServerSecurity)
     decode_security: ClientSecurity = field(default_factory=ClientSecurity)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # which decode replica (routing.py)
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,11 @@ def prompt_bytes(kind: str | None, text: str, chat: pb.ChatMessages) -> int:
 
 
 class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
-    def __init__(self, tokenizer: ModelTokenizer, decode: pb_grpc.DecodeServiceStub, model_name: str,
-                 limits: PromptLimits = PromptLimits()):
+    def __init__(self, tokenizer: ModelTokenizer, decode: pb_grpc.DecodeServiceStub | PrefixRouter,
+                 model_name: str, limits: PromptLimits = PromptLimits()):
         self.tok = tokenizer
-        self.decode = decode
+        # A stub: gRPC's round_robin picks the decode replica; a router picks it per prompt.
+        self.router = decode if isinstance(decode, PrefixRouter) else RoundRobinRouter(decode)
         self.model_name = model_name
         self.limits = limits
         self._detok_decode = partial(tokenizer.decode, skip_special_tokens=True)
@@ -236,7 +239,8 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         timer.prompt(len(prompt_ids))
 
         # Created outside the detokenize span so the decode call's span is a sibling of it.
-        call = self.decode.GenerateTokens(
+        decode = self.router.lease(prompt_ids)
+        call = decode.stub.GenerateTokens(
             pb.GenerateTokensRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                      sampling=conv.sampling_to_pb(params), kv_source=conv.kv_source_to_pb(kv_source)),
             timeout=timeout)
@@ -276,6 +280,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
                 raise errors.Unavailable("the decode service ended the stream without a finish reason")
         finally:
             call.cancel()  # no-op after a normal end; cancels decode when our caller went away
+            decode.release()
 
     @staticmethod
     def _last(span, text: str, ids: list[int], reason: int, usage: pb.Usage,

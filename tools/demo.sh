@@ -2,7 +2,8 @@
 # Set up, fetch the real model (SmolLM2-135M-Instruct, GGUF), start the three services on localhost
 # and stream a chat answer. If the model cannot be fetched, say why and use the embedded model instead
 # (a raw completion). Extra arguments go to tools/run_local.py (e.g. --prompt "..." --max-tokens 120
-# --keep-running); KVWIRE_DEMO_MODEL=embedded skips the fetch.
+# --keep-running; --prefill-replicas 2 --decode-replicas 2 [--decode-routing prefix] for several
+# replicas of each on loopback); KVWIRE_DEMO_MODEL=embedded skips the fetch.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash tools/setup.sh

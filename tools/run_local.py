@@ -3,6 +3,7 @@ streamed completion through the front door, then a graceful shutdown.
 
     python -m tools.run_local --prompt "The for statement" --max-tokens 80
     python -m tools.run_local --keep-running      # leave the services up (Ctrl-C stops them)
+    python -m tools.run_local --prefill-replicas 2 --decode-replicas 2 --decode-routing prefix
     python -m tools.run_local --model-dir smollm2-135m-instruct --weights int8 --chat \
         --prompt "What is the capital of France?"     # the real model (python -m tools.fetch_model first)
 
@@ -37,18 +38,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--http-port", type=int, default=8000,
                     help="port of the OpenAI-compatible HTTP API on 127.0.0.1 (a free one if it is taken)")
+    ap.add_argument("--prefill-replicas", type=int, default=1, help="prefill_svc processes (decode balances over them)")
+    ap.add_argument("--decode-replicas", type=int, default=1, help="decode_svc processes (the front door balances "
+                    "over them)")
+    ap.add_argument("--decode-routing", choices=["round_robin", "prefix"], default="round_robin",
+                    help="how the front door picks a decode replica (tokenizer_svc --decode-routing)")
     args = ap.parse_args(argv)
+    if args.prefill_replicas < 1 or args.decode_replicas < 1:
+        ap.error("--prefill-replicas and --decode-replicas must be >= 1")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvwire-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     with socket.socket() as probe:  # the demo must not fail because something else has port 8000
         http_port = args.http_port if probe.connect_ex(("127.0.0.1", args.http_port)) != 0 else free_port()
     stack = Stack(model_dir=args.model_dir, weights=args.weights, kv_dtype=args.kv_dtype, log_dir=log_dir,
-                  extra={"tokenizer_svc": ["--http-listen", f"127.0.0.1:{http_port}"]})
+                  prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
+                  extra={"tokenizer_svc": ["--http-listen", f"127.0.0.1:{http_port}",
+                                           "--decode-routing", args.decode_routing]})
     t = time.perf_counter()
-    print(f"starting prefill_svc, decode_svc, tokenizer_svc (logs in {log_dir}) ...", file=sys.stderr)
+    print(f"starting {args.prefill_replicas} prefill_svc, {args.decode_replicas} decode_svc, tokenizer_svc "
+          f"(logs in {log_dir}) ...", file=sys.stderr)
     with stack:
         print(f"all SERVING after {time.perf_counter() - t:.1f} s: tokenizer_svc {stack.addr('tokenizer_svc')}, "
-              f"decode_svc {stack.addr('decode_svc')}, prefill_svc {stack.addr('prefill_svc')}; "
+              f"decode_svc {stack.target('decode_svc')}, prefill_svc {stack.target('prefill_svc')}; "
               f"OpenAI-compatible HTTP at http://127.0.0.1:{http_port}/v1", file=sys.stderr)
         sampling = pb.SamplingParams(max_tokens=args.max_tokens)
         if args.chat:

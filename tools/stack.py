@@ -78,8 +78,32 @@ SERVICE_NAMES = {"prefill_svc": "kvwire.v1.PrefillService", "decode_svc": "kvwir
                  "tokenizer_svc": "kvwire.v1.TokenizerService"}
 
 
+def service_of(name: str) -> str:
+    """A process name's service: "decode_svc.1" (decode's second replica) -> "decode_svc"."""
+    return name.partition(".")[0]
+
+
+def metrics_text(port: int, timeout_s: float = 5.0) -> str:
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """The sum of the samples of ``name`` whose label set contains ``labels`` (e.g. 'grpc_method="/x"')."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in "{ ") and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 @dataclass
 class Stack:
+    """The three services on loopback; ``prefill_replicas`` / ``decode_replicas`` > 1 start that many
+    processes of a service (names "decode_svc", "decode_svc.1", ...), and its peers reach them through
+    one ``ipv4:127.0.0.1:p1,127.0.0.1:p2`` target: gRPC round_robin over the addresses, as
+    ``dns:///`` gives on Kubernetes. ``metrics``: each process serves /metrics on its own port."""
     model_dir: Path = DEFAULT_MODEL_DIR
     weights: str = "none"
     kv_dtype: str = "fp8_e4m3"
@@ -90,59 +114,98 @@ class Stack:
     log_dir: Path | None = None
     share_cores: bool = True  # when the cores are split: prefill and decode lend each other theirs
     services: tuple[str, ...] = ("prefill_svc", "decode_svc", "tokenizer_svc")  # started in this order
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    metrics: bool = False
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
     cores_file: Path | None = field(default=None, repr=False)  # --share-cores, while started
+
+    def replicas(self, service: str) -> list[str]:
+        """The process names of ``service``'s replicas, the first one named as the service."""
+        n = {"prefill_svc": self.prefill_replicas, "decode_svc": self.decode_replicas}.get(service, 1)
+        return [service] + [f"{service}.{i}" for i in range(1, n)]
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
+    def target(self, service: str) -> str:
+        """How a peer reaches every replica of ``service``: one address, or an ``ipv4:`` list."""
+        names = self.replicas(service)
+        if len(names) == 1:
+            return self.addr(names[0])
+        return "ipv4:" + ",".join(self.addr(n) for n in names)
+
     def _flags(self, name: str) -> list[str]:
+        service = service_of(name)
         flags = ["--listen", self.addr(name)]
         flags += ["--model-dir", str(self.model_dir)]
-        if name != "tokenizer_svc":
-            pages = self.decode_pages if name == "decode_svc" else self.prefill_pages
+        if service != "tokenizer_svc":
+            pages = self.decode_pages if service == "decode_svc" else self.prefill_pages
             flags += ["--weights", self.weights, "--kv-dtype", self.kv_dtype, "--num-pages", str(pages)]
-        if name == "decode_svc":
-            flags += ["--prefill-addr", self.addr("prefill_svc")]
+        if service == "decode_svc":
+            flags += ["--prefill-addr", self.target("prefill_svc")]
+        extra = self.extra.get(service, [])
         # --threads: split_cpus(this process's usable CPUs), unless given in extra or OMP_NUM_THREADS is set
         threads = {} if "OMP_NUM_THREADS" in {**os.environ, **self.env} else split_cpus(usable_cpus())
-        if name in threads and "--threads" not in self.extra.get(name, []):
-            flags += ["--threads", str(threads[name])]
-        if name in threads and self.cores_file is not None and "--share-cores" not in self.extra.get(name, []):
+        if service in threads and "--threads" not in extra:
+            flags += ["--threads", str(threads[service])]
+        if service in threads and self.cores_file is not None and "--share-cores" not in extra:
             flags += ["--share-cores", str(self.cores_file)]
-        if name == "tokenizer_svc":
-            flags += ["--decode-addr", self.addr("decode_svc")]
-        return flags + self.extra.get(name, [])
+        if service == "tokenizer_svc":
+            flags += ["--decode-addr", self.target("decode_svc")]
+        if name in self.metrics_ports:
+            flags += ["--metrics-port", str(self.metrics_ports[name])]
+        return flags + extra
+
+    def _spawn(self, name: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
+        out = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", service_of(name), *self._flags(name)], cwd=REPO, env=env,
+            stdout=out, stderr=subprocess.STDOUT)
 
     def start(self, timeout_s: float = 120.0) -> "Stack":
-        names = self.services
+        names = [n for service in self.services for n in self.replicas(service)]
         if self.share_cores and self.cores_file is None:
             fd, path = tempfile.mkstemp(prefix="kvwire-cores-")
             os.close(fd)
             self.cores_file = Path(path)
-        for name in SERVICE_NAMES:  # every port, so a started service's flags can name the others
-            self.ports.setdefault(name, free_port())
-        env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
+        for service in SERVICE_NAMES:  # every port, so a started service's flags can name the others
+            for name in self.replicas(service):
+                self.ports.setdefault(name, free_port())
+                if self.metrics:
+                    self.metrics_ports.setdefault(name, free_port())
         for name in names:
-            out = open(self.log_dir / f"{name}.log", "wb") if self.log_dir else subprocess.DEVNULL
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", name, *self._flags(name)], cwd=REPO, env=env,
-                stdout=out, stderr=subprocess.STDOUT)
+            self._spawn(name)
         try:
-            for name in names:  # ready, not only alive: decode's readiness follows prefill's
-                wait_serving(self.addr(name), timeout_s, self.procs[name], service=SERVICE_NAMES[name])
+            for name in names:  # ready, not only alive: decode waits for a loading prefill (decode_svc/readiness.py)
+                wait_serving(self.addr(name), timeout_s, self.procs[name], service=SERVICE_NAMES[service_of(name)])
         except BaseException:
             self.stop()
             raise
         return self
 
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (no drain: a crash or a lost node) and reap it."""
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start a killed or stopped process again on its port, with its flags; wait until ready."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._spawn(name)
+        wait_serving(self.addr(name), timeout_s, self.procs[name], service=SERVICE_NAMES[service_of(name)])
+
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every service (front door first), wait, SIGKILL stragglers; returns exit codes."""
-        for name in ("tokenizer_svc", "decode_svc", "prefill_svc"):
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        for service in ("tokenizer_svc", "decode_svc", "prefill_svc"):
+            for name in self.replicas(service):
+                p = self.procs.get(name)
+                if p is not None and p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
         codes = {}
         for name, p in self.procs.items():
             try:

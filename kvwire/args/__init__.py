@@ -17,10 +17,10 @@ Torch-free: the tokenizer service imports it.
 from kvwire.args.engine_args import SECTIONS, SERVICES, EngineArgs, ServiceSpec, section_dests, service_flags
 from kvwire.args.parser import apply_config_file, make_parser
 from kvwire.args.doc import markdown
-from kvwire.args.sections import (DEFAULT_DRAIN_DELAY_S, CacheArgs, ComputeArgs, KVSourceArgs, ModelArgs, PeerArgs,
+from kvwire.args.sections import (DEFAULT_DRAIN_DELAY_S, CacheArgs, DecodeRouting, ComputeArgs, KVSourceArgs, ModelArgs, PeerArgs,
                                   SchedulerArgs, SecurityArgs, ServingArgs, SpeculativeArgs, TokenizerArgs, arg)
 
 __all__ = ["EngineArgs", "ServiceSpec", "SERVICES", "SECTIONS", "section_dests", "service_flags", "make_parser",
            "apply_config_file", "markdown", "arg", "DEFAULT_DRAIN_DELAY_S", "ModelArgs", "CacheArgs", "ComputeArgs",
            "SchedulerArgs", "SpeculativeArgs", "KVSourceArgs", "ServingArgs", "SecurityArgs", "PeerArgs",
-           "TokenizerArgs"]
+           "TokenizerArgs", "DecodeRouting"]

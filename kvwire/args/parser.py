@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,10 +11,7 @@ from typing import Any
 from kvwire import envs
 from kvwire.args.engine_args import GROUP_TITLES, SERVICES, service_flags
 from kvwire.args.sections import PeerArgs, base_type
-from kvwire.config import KVDtype, WeightsMode
-from kvwire.sampling_params import SpeculativeMode
-
-ENUMS = (WeightsMode, KVDtype, SpeculativeMode)
+ENUMS = enum.Enum  # every enum-typed field is a flag with choices
 
 
 def _env_name(cls: type, f: dataclasses.Field, peer: str | None) -> str | None:

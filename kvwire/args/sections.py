@@ -3,6 +3,7 @@ their range checks (``validate``: ValueError naming the flag)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,14 @@ DEFAULT_DRAIN_DELAY_S = 5.0  # long enough for a Kubernetes endpoint update to r
 # Mirrors of defaults owned by torch-importing or service modules (tests/kvwire/test_args.py keeps them equal).
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # decode_svc.remote_prefill
 SPEC_NGRAM_MAX, SPEC_GREEDY_MAX_BATCH = 16, 2  # kvwire.spec.SpecConfig
+ROUTING_LOAD_FACTOR = 1.25  # tokenizer_svc.routing.RoutingConfig
 FRONT_DOOR_MESSAGE_BYTES, MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, TOKENIZE_WORKERS = 2 << 20, 1 << 20, 131_072, 2
+
+
+class DecodeRouting(str, enum.Enum):
+    """How the front door picks a decode replica (tokenizer_svc/routing.py)."""
+    ROUND_ROBIN = "round_robin"  # gRPC's round_robin over --decode-addr's addresses
+    PREFIX = "prefix"  # consistent hashing on the prompt's first KV page, with bounded load
 
 
 def arg(default: Any = None, help: str = "", *, dest: str | None = None, metavar: str | None = None,
@@ -230,8 +238,15 @@ class TokenizerArgs(Section):
     http_listen: str | None = arg(None, "serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                                   "/v1/completions, /v1/models) on HOST:PORT, e.g. 127.0.0.1:8000; off if unset. Its "
                                   "model id is --model-name", metavar="HOST:PORT")
+    decode_routing: DecodeRouting = arg(DecodeRouting.ROUND_ROBIN, "round_robin: gRPC spreads calls over "
+                                        "--decode-addr's addresses; prefix: one channel per decode replica and "
+                                        "consistent hashing on the prompt's first KV page (bounded load), so "
+                                        "prompts sharing a prefix reach the replica whose prefix cache holds it")
+    decode_routing_load_factor: float = arg(ROUTING_LOAD_FACTOR, "prefix routing: a replica takes at most this x "
+                                            "the mean in-flight load (>= 1)")
 
     def validate(self) -> None:
         for name in ("max_message_bytes", "max_prompt_bytes", "max_prompt_tokens", "tokenize_workers"):
             _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        _check(self.decode_routing_load_factor >= 1, "--decode-routing-load-factor must be >= 1")
 

@@ -44,7 +44,7 @@ def _now(coro):
 
 class LLM:
     def __init__(self, model: str | Path, **kwargs):
-        """``kwargs``: the engine flags' names (kvwire/args.py, docs/configuration.md): weights, kv_dtype,
+        """``kwargs``: the engine flags' names (kvwire/args/, docs/configuration.md): weights, kv_dtype,
         block_size, num_pages (512), device, draft_model_dir (alias draft_model), draft_weights,
         draft_kv_dtype, speculative, num_speculative_tokens, adaptive_speculation (alias
         speculative_adaptive), speculative_auto_off, speculative_greedy_max_batch, ngram_max, ngram_min,

@@ -22,7 +22,7 @@ def flags(service: str) -> set[str]:
 
 def test_each_service_takes_its_sections_with_its_own_defaults():
     assert len(service_flags("decode_svc")) == 47 and len(service_flags("prefill_svc")) == 22
-    assert len(service_flags("tokenizer_svc")) == 26  # its 25 and the shared --log-level
+    assert len(service_flags("tokenizer_svc")) == 28  # its 25, --decode-routing(-load-factor) and the shared --log-level
     d, p, t = (EngineArgs.parse(s, []) for s in ("decode_svc", "prefill_svc", "tokenizer_svc"))
     assert (d.serving.listen, p.serving.listen, t.serving.listen) == ("127.0.0.1:50052", "127.0.0.1:50053",
                                                                       "127.0.0.1:50051")
@@ -143,8 +143,10 @@ def test_config_file_values_are_range_checked(tmp_path, capsys):
 def test_mirrored_defaults_match_their_owners():
     from decode_svc.remote_prefill import DEFAULT_TRANSFER_TIMEOUT_S
     from kvwire.spec import SpecConfig
-    from tokenizer_svc import server
+    from tokenizer_svc import routing, server
 
+    assert (kargs.ROUTING_LOAD_FACTOR, routing.RoutingConfig.policy) == (routing.RoutingConfig.load_factor, "round_robin")
+    assert tuple(m.value for m in kargs.DecodeRouting) == routing.POLICIES
     assert kargs.DEFAULT_TRANSFER_TIMEOUT_S == DEFAULT_TRANSFER_TIMEOUT_S
     assert (kargs.SPEC_NGRAM_MAX, kargs.SPEC_GREEDY_MAX_BATCH) == (SpecConfig.ngram_max, SpecConfig.greedy_max_batch)
     assert (kargs.FRONT_DOOR_MESSAGE_BYTES, kargs.MAX_PROMPT_BYTES, kargs.MAX_PROMPT_TOKENS, kargs.TOKENIZE_WORKERS) == (
