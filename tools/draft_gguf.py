@@ -12,7 +12,7 @@ Contents: ``token_embd.weight`` (the target's Q8_0 bytes; tied, so also the head
 blocks as Q8_0 (Q/K rows in llama.cpp's interleaved order, as convert_hf_to_gguf writes them; the
 loader undoes it), norms in F32, llama.* hyper-parameters, and three informational keys:
 ``kvwire.draft.target``, ``kvwire.draft.source_layers`` and ``kvwire.draft.head_vocab`` (the most
-frequent target tokens, for a reduced draft head; see models/smollm2-draft/README.md).
+frequent target tokens, for a reduced draft head; see docs/decisions/040-standalone-draft-model.md).
 """
 from __future__ import annotations
 

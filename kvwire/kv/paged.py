@@ -70,9 +70,6 @@ class PagedKVCache:
 
     # ---- sequences and pages ------------------------------------------------------------------
 
-    def add_sequence(self, seq_id: int) -> None:
-        self.tables.add(seq_id)
-
     def free_sequence(self, seq_id: int) -> None:
         self.tables.free(seq_id)
 

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 
 from kvwire.config import KVDtype, ModelConfig
 
-FP8_E4M3_MAX = 448.0
 FORMAT_VERSION = 2  # the page format this build writes and reads
 
 
