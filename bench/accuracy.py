@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench import common
+from bench import common, llamacpp
 from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.generate import generate
 from kvwire.kv.spec import KVPageSpec
+from kvwire.model.registry import fetch
 from kvwire.runtime import EngineConfig, load_engine
 from kvwire.sampling_params import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
@@ -77,14 +78,12 @@ def with_kv(engine, kv: KVDtype):
 
 def model_path(args) -> Path:
     if args.model:
-        from kvwire.model.registry import fetch
         return fetch(args.model)
     return args.model_dir
 
 
 def llamacpp_rows(path: Path, windows: list[list[int]], threads: int) -> dict:
     """{type: perplexity or the reason there is none}."""
-    from bench import llamacpp
     ok, why = llamacpp.status()
     if not ok:
         tqdm.write(f"llama.cpp not installed: {why}")

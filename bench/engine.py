@@ -24,6 +24,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import common, llamacpp, machine, plots, shapes
+from bench.engine_runs import run_spec
+from kvwire.model.registry import resolve_model_path
 
 PEERS = {"transformers-fp32": ("transformers", "none"), "transformers-bf16": ("transformers", "bf16"),
          "llama.cpp-f16": ("llama.cpp", "f16"), "llama.cpp-q8_0": ("llama.cpp", "q8_0")}
@@ -31,7 +33,6 @@ PEERS = {"transformers-fp32": ("transformers", "none"), "transformers-bf16": ("t
 
 def run_one(spec: dict, timeout_s: float, in_process: bool = False) -> dict:
     if in_process:  # quick runs (smoke test): no isolation, so peak RSS is this whole process's
-        from bench.engine_runs import run_spec
         return run_spec(spec)
     proc = subprocess.run([sys.executable, "-m", "bench.engine_runs", json.dumps(spec)], cwd=common.ROOT,
                           stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s)
@@ -66,7 +67,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
 
-    from kvwire.model.registry import resolve_model_path
     model_dir = resolve_model_path(args.model_dir) if args.model_dir else shapes.build(args.model, args.models_dir)
     facts = machine.facts(device=args.device)
     base = {"model_dir": str(model_dir), "device": args.device, "prompt_len": args.prompt_len,

@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.hf_weights import hf_dir
+from kvwire.model import gguf
+from kvwire.model.gguf_tokenizer import build_tokenizer
+from kvwire.model.source import model_source
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def export_tokenizer(model_path: str | Path, out: Path) -> Path:
     """Write TOKENIZER_FILES for ``model_path``'s GGUF tokenizer into ``out`` (kept when present)."""
-    from kvwire.model import gguf
-    from kvwire.model.gguf_tokenizer import build_tokenizer
-    from kvwire.model.source import model_source
-
     src = model_source(model_path)
     if src.gguf is None:
         raise ValueError(f"{model_path}: not a GGUF source; an HF directory carries its own tokenizer")
@@ -57,9 +58,6 @@ def export_tokenizer(model_path: str | Path, out: Path) -> Path:
 
 def hf_model_dir(model_path: str | Path) -> Path:
     """``hf_dir(model_path)`` with tokenizer files added (an HF source directory is returned as is)."""
-    from bench.hf_weights import hf_dir
-    from kvwire.model.source import model_source
-
     out = hf_dir(model_path)
     if model_source(model_path).gguf is not None:
         export_tokenizer(model_path, out)

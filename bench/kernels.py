@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from bench import common, machine
+from kvwire_kernels import cpu
 from kvwire_kernels import reference as ref
 
 LAYOUTS = {"smollm2-135m": (3, 3, 64), "tinyllama-1.1b": (4, 8, 64), "llama3-8b": (8, 4, 128)}  # Hkv, ratio, D
@@ -53,9 +54,8 @@ def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
 def kernels(device: str):
     """The module-like object with the reference's two signatures for ``device``."""
     if device.startswith("cuda"):
-        from kvwire_kernels import triton_kv
+        from kvwire_kernels import triton_kv  # triton: a GPU-only dependency (the test extra)
         return triton_kv
-    from kvwire_kernels import cpu
     if not cpu.available():
         raise SystemExit(f"the CPU kernels are not available here: {cpu.unavailable_reason}")
     return types.SimpleNamespace(paged_decode_attention=cpu.paged_attention,

@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from bench import common, machine, plots, shapes
+from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.kv.wire import decode_chunk, encode_layer
 from kvwire.runtime import EngineConfig, load_engine
@@ -43,6 +44,7 @@ from prefill_svc.runner import PrefillRunner
 from protos import convert as conv
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
+from tools.stack import REPO, free_port, wait_serving
 
 
 async def served(addr: str, ids: list[int], num_layers: int) -> dict:
@@ -88,7 +90,6 @@ def in_process(runner: PrefillRunner, ids: list[int]) -> dict:
 
 
 def start_prefill(model_dir: Path, weights: str, kv: str, pages: int, threads: int = 0) -> tuple[subprocess.Popen, str]:
-    from tools.stack import REPO, free_port, wait_serving
     addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     proc = subprocess.Popen([sys.executable, "-m", "prefill_svc", "--listen", addr, "--model-dir", str(model_dir),
@@ -143,7 +144,6 @@ def measure(args, model_dir: Path, kv: str, lens: list[int], bar) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from kvwire.cli import DEFAULT_MODEL_DIR
     ap = argparse.ArgumentParser(prog="python -m bench kv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)

@@ -37,7 +37,7 @@ from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 
 
 def prompts(tok: ModelTokenizer, shared: int, turns: int, turn_tokens: int) -> list[list[int]]:
-    from tools.train_embedded import load_corpus
+    from tools.train_embedded import load_corpus  # imports transformers (the bench extra)
     _, held, _ = load_corpus()
     ids = [t for text in held for t in tok.encode(text, add_special_tokens=False)]
     if len(ids) < shared + turns * turn_tokens:

@@ -14,6 +14,8 @@ import ast
 import inspect
 import itertools
 
+from kvwire.tokenizer import ChatMessage
+
 CODE_MODULES = ("textwrap", "shlex", "fnmatch", "glob", "posixpath", "string", "bisect", "heapq", "calendar")
 DOC_TOPICS = ("assert", "break", "continue", "del", "global", "if", "pass", "raise", "return", "while",
               "with", "import", "try", "lambda", "for", "nonlocal")
@@ -92,6 +94,5 @@ def chat(n: int) -> list[str]:
 def encode(tok, text: str) -> list[int]:
     """Chat-formatted when the model has a template, else the plain text."""
     if tok.chat_template:
-        from kvwire.tokenizer import ChatMessage
         return tok.encode_chat([ChatMessage(role="user", content=text)])
     return tok.encode(text)

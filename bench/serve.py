@@ -30,12 +30,13 @@ from kvwire.cli import DEFAULT_MODEL_DIR
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
+from tools.stack import Stack
 
 
 def build_prompts(tok: ModelTokenizer, n: int, input_len: int, dataset: str, seed: int) -> list[str]:
     rng = random.Random(seed)
     if dataset == "heldout":
-        from tools.train_embedded import load_corpus
+        from tools.train_embedded import load_corpus  # imports transformers (the bench extra)
         ids = [t for text in load_corpus()[1] for t in tok.encode(text, add_special_tokens=False)]
         if len(ids) > 2 * input_len:
             starts = [rng.randrange(len(ids) - input_len) for _ in range(n)]
@@ -133,7 +134,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.addr:
         levels = run(args.addr, prompts, args)
     else:
-        from tools.stack import Stack
         print("starting tokenizer_svc, decode_svc, prefill_svc ...", flush=True)
         draft = args.draft_model_dir
         if draft is None:

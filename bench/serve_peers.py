@@ -29,6 +29,8 @@ import urllib.request
 from pathlib import Path
 
 from bench import common, machine
+from bench.hf_tokenizer import hf_model_dir
+from tools.stack import Stack, free_port
 
 DEFAULT_VENV = Path.home() / "vllm-venv"
 # vllm bench serve's result keys -> ours (ms, tok/s).
@@ -60,7 +62,6 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
 
 @contextlib.contextmanager
 def kvwire_server(args, model_name: str, port: int):
-    from tools.stack import Stack
     door = ["--http-listen", f"127.0.0.1:{port}", "--model-name", model_name]
     extra = {"tokenizer_svc": door, "decode_svc": shlex.split(args.decode_args)}
     with Stack(model_dir=Path(args.model), weights=args.weights, kv_dtype=args.kv_dtype, log_dir=args.log_dir,
@@ -188,8 +189,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
 
-    from bench.hf_tokenizer import hf_model_dir
-    from tools.stack import free_port
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = set(servers) - {"kvwire", "vllm"}
     if unknown:

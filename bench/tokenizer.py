@@ -30,10 +30,11 @@ from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
+from tools.stack import REPO, free_port, wait_serving
 
 
 def corpus(n: int) -> list[str]:
-    from tools.train_embedded import load_corpus
+    from tools.train_embedded import load_corpus  # imports transformers (the bench extra)
     paras = [p.strip() for text in load_corpus()[1] for p in text.split("\n\n") if p.strip()]
     return paras[:n]
 
@@ -86,7 +87,6 @@ def detok(tok: ModelTokenizer, ids: list[int]) -> dict:
 
 
 def start_service(model_dir: Path) -> tuple[subprocess.Popen, str]:
-    from tools.stack import REPO, free_port, wait_serving
     addr = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "tokenizer_svc", "--listen", addr, "--model-dir", str(model_dir),
                              "--decode-addr", f"127.0.0.1:{free_port()}"], cwd=REPO,

@@ -19,7 +19,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import grpc
+
 from bench import common
+from kvwire.cli import DEFAULT_MODEL_DIR
+from kvwire.tokenizer import ModelTokenizer
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
+from tools.otlp_receiver import OtlpReceiver
+from tools.stack import Stack
 
 SERVICE_COLOURS = {"kvwire-tokenizer": "#4C72B0", "kvwire-decode": "#DD8452", "kvwire-prefill": "#55A868"}
 DOCS_PNG = common.ROOT / "docs" / "trace.png"
@@ -100,9 +108,6 @@ def markdown(report: dict) -> str:
 
 
 async def _request(addr: str, text: str, max_tokens: int) -> list[int]:
-    import grpc
-    from protos.kvwire.v1 import kvwire_pb2 as pb
-    from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
     async with grpc.aio.insecure_channel(addr) as ch:
         ids: list[int] = []
         async for msg in pbg.TokenizerServiceStub(ch).GenerateText(pb.GenerateTextRequest(
@@ -122,11 +127,6 @@ def _complete(spans) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    from kvwire.cli import DEFAULT_MODEL_DIR
-    from kvwire.tokenizer import ModelTokenizer
-    from tools.otlp_receiver import OtlpReceiver
-    from tools.stack import Stack
-
     model_dir = args.model_dir or DEFAULT_MODEL_DIR
     tok = ModelTokenizer(model_dir)
     sentence = "The for statement iterates over the items of any sequence, in the order they appear. "

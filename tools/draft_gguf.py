@@ -23,7 +23,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
+from kvwire.kv.dense import DenseKVCache
 from kvwire.model import gguf as kvgguf
+from kvwire.model.loader import load_model
 from kvwire.model.registry import resolve_model_path
 
 TARGET = "smollm2-135m-instruct"
@@ -94,8 +96,6 @@ def export(student, head_vocab: list[int], path: Path, target: str = TARGET) -> 
 def check(student, path: Path, ids: list[int]) -> float:
     """Max |logit difference| between the student and the written file loaded by kvwire (fp32), on ``ids``.
     Small but not zero: the blocks are stored as Q8_0."""
-    from kvwire.kv.dense import DenseKVCache
-    from kvwire.model.loader import load_model
     loaded = load_model(path)
     cache = DenseKVCache(loaded.config, 1, len(ids))
     pos = cache.prepare([0], [len(ids)])

@@ -35,10 +35,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from kvwire import LLM, SamplingParams  # noqa: E402
 from kvwire.config import DType, ModelConfig  # noqa: E402
 from kvwire.model.loader import load_model  # noqa: E402
 from kvwire.model.model import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from kvwire.tokenizer import ChatMessage  # noqa: E402
 from tools import draft_data  # noqa: E402
+from tools.draft_gguf import check, export  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 OUT = draft_data.REPO / "models" / "smollm2-draft"
@@ -115,8 +118,6 @@ class Student(nn.Module):
 
 def generate_answers(prompts: list[str], seconds: float, max_tokens: int, batch: int, threads: int):
     """(prompt ids, answer ids) for as many prompts as the budget allows, target greedy."""
-    from kvwire import LLM, SamplingParams
-    from kvwire.tokenizer import ChatMessage
     llm = LLM(TARGET, weights="int8", kv_dtype="fp8_e4m3", num_pages=4096, max_running=batch)
     torch.set_num_threads(threads)
     tok, t0, out = llm.tokenizer, time.time(), []
@@ -300,7 +301,6 @@ def main():
     train_seconds = max(1.0, budget - (time.time() - t_start) - args.export_minutes * 60)
     stats = train(student, data, head_vocab, train_seconds, args)
 
-    from tools.draft_gguf import check, export
     args.out.mkdir(parents=True, exist_ok=True)
     path = export(student, head_vocab.tolist(), args.out / "smollm2-draft.gguf")
     export_diff = check(student, path, data[0][0][:96].tolist())

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwire_kernels import cpu
+
 # Rows at or above which a bf16 weight is upcast to fp32 for the matmul (compute-bound regime).
 UPCAST_MIN_ROWS = 16
 # Bytes of converted weight per block. A whole 2048x5632 fp32 copy is past glibc's mmap threshold,
@@ -56,8 +58,7 @@ def _cpu_kernels(w: torch.Tensor):
     """The CPU kernels module when it can multiply ``w`` (contiguous, on the CPU), else None."""
     if w.device.type != "cpu" or not w.is_contiguous():
         return None
-    from kvwire_kernels import cpu  # the kernels build on first use
-    return cpu if cpu.available() else None
+    return cpu if cpu.available() else None  # the kernels build on first use
 
 
 class Linear(nn.Module):

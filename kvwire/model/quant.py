@@ -67,6 +67,7 @@ from torch import nn
 
 from kvwire.config import QuantMode
 from kvwire.model.linear import UPCAST_MIN_ROWS, Linear, cpu_has_native_bf16, upcast_linear
+from kvwire_kernels import cpu
 
 # int8: rows at or above which wide-input paths run instead of weight-only int8pack_mm, whose
 # cost jumps from 8 rows on (2048x5632, 1 thread: ~1.5 ms for 1-4 rows, ~5 ms at 8, ~9 ms at 32).
@@ -149,13 +150,11 @@ class Int8Linear(nn.Module):
         """The weight as [out, in] int8, whichever layout it is stored in."""
         if self.packed is None:
             return self.weight
-        from kvwire_kernels import cpu
         return cpu.unpack_i8a8(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] fp32 -> [rows, out] fp32
         if self.packed is not None and x.device.type == "cpu":
-            from kvwire_kernels import cpu
             return cpu.gemm_i8a8(x.float().contiguous(), self.packed, self.scale, self.bias)  # [rows, out] fp32
         if (x.shape[0] < W8A8_MIN_ROWS and x.device.type == "cpu"
                 and self.in_features % INT8PACK_K_MULTIPLE == 0):
@@ -219,7 +218,6 @@ def vnni_layout(q: torch.Tensor) -> torch.Tensor | None:
     a shape it does not take (out % 16, in % 64)."""
     if q.device.type != "cpu" or q.shape[0] % 16 or q.shape[1] % 64:
         return None
-    from kvwire_kernels import cpu
     return cpu.pack_i8a8(q) if cpu.int8_activations() else None
 
 
