@@ -65,8 +65,8 @@ def kernels(device: str):
 def pages(n: int, hkv: int, d: int, dtype: torch.dtype, dev: str):
     """n pages written as the engine writes them (the reference's write_kv) from Gaussian K and V.
     Not random bytes: one byte in 16 would be an e4m3 subnormal, which the CPU kernel widens through
-    an fp32 subnormal (a microcode assist, about 5x slower attention); a real model's pages hold
-    about one in 8,000 (SmolLM2-135M, 1,024-token prompt), Gaussian values one in 17,000."""
+    an fp32 subnormal (a microcode assist that slows attention several times); a real model's pages
+    hold about one in 8,000 (SmolLM2-135M, 1,024-token prompt), Gaussian values one in 17,000."""
     shape = (n, hkv, BLOCK, d)
     state = [torch.zeros(shape, device=dev, dtype=dtype), torch.zeros(shape, device=dev, dtype=dtype)]
     if dtype == torch.bfloat16:

@@ -17,14 +17,15 @@ import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # --root replaces it (e.g. an exported older tree)
 PACKAGES = ("kvwire", "kvwire_kernels", "protos", "tokenizer_svc", "prefill_svc", "decode_svc", "bench",
             "tools", "tests")
 SOURCE_SUFFIXES = (".py", ".c", ".h", ".sh")
-# A machine, a rate or a duration: what goes stale in a comment when the next run differs.
+# A machine a figure came from, a rate, a duration, a speed ratio or "measured ... <number>": what
+# goes stale in a comment when the next run differs.
 MEASUREMENT = re.compile(
-    r"\b(EPYC|Xeon|Ryzen|Zen ?\d|Sapphire|Graviton|H100|H200|A100|L40S?)\b|tok/s|GB/s|MB/s|GiB/s|"
-    r"\b\d[\d.,]*\s?(ms|µs|us|ns)\b|\bmeasured\b|\b\d[\d.]*x (faster|slower)\b", re.IGNORECASE)
+    r"\b(EPYC|Xeon|Ryzen|Graviton|H100|H200|A100|L40S?)\b|\d\s?(tok/s|GB/s|MB/s|GiB/s)|"
+    r"\b\d[\d.,]*\s?(ms|µs|us|ns)\b|\bmeasured\b[^.;]*\d|\b\d[\d.]*x (faster|slower)\b", re.IGNORECASE)
 ENV_VAR = re.compile(r"\bKVWIRE_[A-Z0-9_]+\b")
 
 
@@ -39,8 +40,13 @@ class FileStats:
 
 
 def tracked_files() -> list[Path]:
-    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [ROOT / p for p in out.splitlines()
+    """git's tracked source files, or every source file under ROOT outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        paths = out.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        paths = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if ".venv" not in p.parts]
+    return [ROOT / p for p in paths
             if p.endswith(SOURCE_SUFFIXES) and "_pb2" not in p and (ROOT / p).is_file()]
 
 
@@ -213,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="*", help="restrict the per-line figures to these files/folders")
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--root", type=Path, help="the tree to measure (default: this checkout)")
     ap.add_argument("-v", "--verbose", action="store_true", help="list every long docstring and measurement line")
     args = ap.parse_args(argv)
+    if args.root is not None:
+        global ROOT
+        ROOT = args.root.resolve()
     files = tracked_files()
     selected = files
     if args.paths:

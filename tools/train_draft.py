@@ -206,7 +206,7 @@ def train(student, data, head_vocab, seconds: float, args) -> dict:
             lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:
                 g["lr"] = lr
-            # bf16 matmuls (AVX512-BF16), fp32 master weights and softmax: ~1.5x faster here.
+            # bf16 matmuls (AVX512-BF16), fp32 master weights and softmax (see docs/decisions/040-standalone-draft-model.md).
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss, kl, mse, match = loss_fn(student, collate(data, idx), head_vocab, args.negatives,
                                                args.hidden_weight)
