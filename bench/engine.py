@@ -6,12 +6,7 @@ batch 1/4/16, peak memory.
         [--peers transformers-fp32,transformers-bf16,llama.cpp-f16,llama.cpp-q8_0] \
         [--prompt-len 512] [--decode-tokens 32] [--batches 1,4,16] [--batch-ctx 128]
 
-``--model`` is a random-weight shape built locally (bench/shapes.py) or ``--model-dir`` any HF
-Llama directory (the embedded model). Every configuration runs in its own process
-(bench/engine_runs.py says how each phase is timed) so its peak RSS is its own; memory bandwidth
-is measured in the same run, and each batch-1 decode figure is put against the roofline
-bandwidth / (weight bytes read per token). llama.cpp runs when ``llama-cpp-python`` and ``gguf``
-import; otherwise the report says why.
+Method and details: bench/README.md, section ``bench/engine.py``.
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """Tokenizer files for an exported HF directory, so a serving peer (vLLM) loads the model whole.
 
-``bench.hf_weights.hf_dir`` writes config.json + model.safetensors only; a server also needs the
-tokenizer. For a GGUF source the tokenizer is the one our services use
-(``kvwire.model.gguf_tokenizer.build_tokenizer``), written as:
-
-* tokenizer.json: the ``tokenizers`` pipeline itself (same ids as ``ModelTokenizer.encode``);
-* tokenizer_config.json: BOS/EOS, the chat template, ``PreTrainedTokenizerFast``;
-* generation_config.json: the EOS ids (GGUF eos + the template's end-of-turn), as we stop on them.
-
-    hf_model_dir("smollm2-135m-instruct")  # -> bench/.models/hf/<name>-<sha12>, weights + tokenizer
+Method and details: bench/README.md, section ``bench/hf_tokenizer.py``.
 """
 from __future__ import annotations
 

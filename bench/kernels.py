@@ -3,14 +3,7 @@ compiled Triton kernels on a CUDA device, the C kernels (kvwire_kernels/cpu) on 
 
     python -m bench kernels [--device cuda|cpu] [--batches 1,16,64] [--contexts 512,2048,8192]
 
-For each model's head layout (SmolLM2-135M, TinyLlama-1.1B, Llama-3-8B) and KV dtype:
-  - decode attention: b sequences of c positions each, one query per sequence (all heads), time
-    per call and the KV bytes it must read (values and, for FP8, scales) per second, against the
-    read bandwidth measured in this run;
-  - writes: one decode step's b tokens, and a prefill of b x 512 tokens, per layer.
-Timed with CUDA events on a GPU, perf_counter on the CPU (the median of 20 calls after 5 untimed
-ones). Triton has no CPU backend: there the C kernels the engine uses on CPUs are timed instead,
-on torch's thread count, against the read bandwidth measured on the CPU.
+Method and details: bench/README.md, section ``bench/kernels.py``.
 """
 from __future__ import annotations
 

@@ -3,22 +3,7 @@ time per layer, and how much of the transfer prefill hides behind its own comput
 
     python -m bench kv [--model-dir models/kvwire-tiny | --model smollm2-135m] [--prompt-lens 128,512]
 
-For each KV dtype, prefill_svc runs as a real process (or ``--addr``); each prompt (seeded random
-ids) is sent ``--repeats`` times to ``Prefill`` and every message's arrival is stamped at the client.
-The same model then runs in this process through prefill_svc's own PrefillRunner, stamping the
-moment each layer's pages are complete, and timing the wire path of each layer's pages alone
-(encode_layer + protobuf serialize, then parse + decode_chunk's size and CRC checks).
-
-  - bytes/token: KV payload (values + scales) of the served stream / prompt tokens; protobuf
-    framing is reported apart;
-  - exposed transfer = max(0, time-to-last-chunk - forward time), time-to-last-chunk counted from
-    the header's arrival (the forward starts right after the header is sent), forward time from
-    the in-process run (each the best of ``--repeats``: the shared CPU only ever adds time);
-  - hidden share = the share of the KV (layers; every layer has the same bytes) whose last chunk
-    had arrived before the forward time had elapsed: shipped while prefill was still computing.
-    At most (layers - 1) / layers, as the last layer's pages can only leave after the forward.
-    Against it stands layers x wire time per layer, what shipping after the forward would add.
-    Both are estimates from two runs (served and in-process) of the same work.
+Method and details: bench/README.md, section ``bench/kv.py``.
 """
 from __future__ import annotations
 

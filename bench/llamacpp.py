@@ -3,15 +3,7 @@
     python -m bench engine --peers llama.cpp-f16,llama.cpp-q8_0
     python -m bench accuracy --model smollm2-135m-instruct     # perplexity rows
 
-``to_gguf`` writes a Llama-architecture GGUF of an HF checkpoint with the ``gguf`` package (no
-download, no tokenizer: ``tokenizer.ggml.model = no_vocab`` with the vocabulary size, since the
-benchmarks feed token ids). Q and K projections are permuted to llama.cpp's rotary layout exactly
-as convert_hf_to_gguf.py does. ``gguf_to_f16`` does the same for a GGUF source (e.g. the Q4_1
-SmolLM2 file): every tensor dequantized by ``gguf.quants`` and stored as f16, names and row order
-kept. q8_0 comes from llama.cpp's own quantizer (``llama_model_quantize``) over the f16 file.
-``run_llamacpp`` times the phases of bench/phases.py through llama.cpp's C API
-(``llama_decode`` on a ``llama_batch``; one sequence id per stream, a unified KV buffer);
-``perplexity`` scores windows of token ids with logits at every position.
+Method and details: bench/README.md, section ``bench/llamacpp.py``.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """The phases every engine of ``python -m bench engine`` is timed in, on the same token ids.
 
-  - prefill: one forward over ``prompt_len`` ids (logits of the last row only), tokens/s, the
-    fastest of three passes after a warm-up pass over the same prompt (a first pass at a new length
-    pays one-off costs: allocator growth, matmul primitives built for the shape);
-  - batch-1 decode: ``decode_tokens`` greedy steps after that prompt, tokens/s;
-  - batched decode at each batch size b: b sequences of ``batch_ctx`` ids prefilled in one call,
-    then ``decode_tokens`` steps that advance all b together (one model call per step), b x steps / s.
-The decode phases run once after the warm-up (the caller repeats whole runs if it wants).
+Method and details: bench/README.md, section ``bench/phases.py``.
 """
 from __future__ import annotations
 

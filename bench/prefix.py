@@ -2,14 +2,7 @@
 
     python -m bench prefix [--model-dir PATH] [--shared 1024] [--turns 6] [--turn-tokens 32]
 
-Every request is the same system prompt (``--shared`` tokens of held-out text) followed by its own
-user turn (``--turn-tokens`` tokens). prefill_svc runs as a real gRPC server on loopback in this
-process; the decode engine (kvwire's AsyncEngine, what decode_svc serves from) pulls the KV from
-it over gRPC, one request at a time. Run twice: prefix caching off on both sides (every request a
-miss), then on (the first request a miss, the others hits: decode holds the system prompt's
-pages, asks prefill only for the rest, and prefill computes only the rest). Reports TTFT (first
-token out of the engine) and the KV bytes on the wire per request.
-Writes bench/out/prefix-<model>-<stamp>.{json,md}.
+Method and details: bench/README.md, section ``bench/prefix.py``.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Prompt sets for the speculative decoding benchmark, from real text on this machine.
 
-* grounded: tasks whose answer quotes its context, the case prompt lookup is for: editing a
-  function of Python's standard library (its source pasted), extracting and quoting sentences
-  from a pasted page of Python's documentation (pydoc topics), summarizing such a page with
-  quotations. Real text, never repeated tokens.
-* chat: free questions, where the answer is not in the prompt (acceptance is low).
-
-Chat-formatted with the model's template when it has one. Deterministic: same prompts every run.
+Method and details: bench/README.md, section ``bench/prompts_spec.py``.
 """
 from __future__ import annotations
 

@@ -4,14 +4,7 @@
         [--num-prompts 32] [--concurrency 1,4,16] [--slo-ttft-ms 1000] [--slo-tpot-ms 100] \
         [--speculative none|draft|ngram]
 
-Starts the three services as real processes (tools/stack.py), sends one warm-up request, then for
-each concurrency level sends the same seeded prompts (``--num-prompts`` of them, at most
-``concurrency`` in flight, no pacing: vLLM's ``--max-concurrency`` with an infinite request rate).
-Prompts are windows of ``--input-len`` tokens of held-out text (``--dataset heldout``; the service
-adds BOS, so a prompt is about input_len + 1 tokens) or decoded random token ids (``random``,
-vLLM's random dataset); ``max_tokens`` = ``--output-len`` with ``ignore_eos`` makes every output
-exactly that long. Metric definitions: bench/metrics.py (vLLM's). ``--addr`` targets a running
-front door instead of starting a stack.
+Method and details: bench/README.md, section ``bench/serve.py``.
 """
 from __future__ import annotations
 

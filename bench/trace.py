@@ -1,14 +1,6 @@
 """``python -m bench trace``: one request through the three real services, its trace drawn as a waterfall.
 
-Starts prefill_svc, decode_svc and tokenizer_svc on loopback exporting OTLP to an in-process
-receiver (tools.otlp_receiver: what Jaeger or Tempo would get), sends one warm-up request and then
-the measured one, and draws the measured request's spans: one row per span (service, span name),
-a bar from its start for its duration, coloured by service. The KV transfer bar overlapping
-prefill's forward bar is the disaggregation at work: pages stream while later layers compute.
-
-    python -m bench trace                              # bench/out/trace-<model>-<stamp>.{json,md,png}
-    python -m bench trace --docs                       # also copy the PNG to docs/trace.png
-    python -m bench trace --prompt-tokens 512 --max-tokens 32 --kv-dtype bf16
+Method and details: bench/README.md, section ``bench/trace.py``.
 """
 from __future__ import annotations
 

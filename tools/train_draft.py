@@ -2,22 +2,7 @@
 
     nice -n 5 python -m tools.train_draft --minutes 60
 
-Four phases, all in this script, sharing the ``--minutes`` budget:
-
-1. answers (``--gen-share``): the target's greedy answers (kvwire's engine, int8 weights, FP8 KV,
-   batched) to chat prompts built from real text on this machine (tools/draft_data.py: summarize,
-   quote, extract, explain or edit code, write a function, free questions);
-2. labels (``--label-share``): one teacher-forced target pass (bf16) over those chats and over plain
-   text passages gives, at every position, the target's top-k next-token log-probabilities and its
-   final hidden state;
-3. training (the rest): a 4-layer Llama with the target's width, initialised from a spaced subset of
-   the target's 30 layers, tied to the target's embedding table (frozen), learns KL to the top-k
-   soft labels plus MSE to the final hidden state (so its logits track the target's over the
-   whole vocabulary, not only over the labelled tokens);
-4. export: one GGUF file (tools/draft_gguf.py) the existing loader reads as a draft.
-
-Writes ``--out``/smollm2-draft.gguf and ``train_stats.json``; tools/eval_draft.py measures
-acceptance and speed and tools/draft_gguf.py documents the file.
+Method and details: tools/README.md, section ``tools/train_draft.py``.
 """
 from __future__ import annotations
 

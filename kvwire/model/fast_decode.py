@@ -4,9 +4,8 @@ For decode and speculative-verification steps (every token after context in the 
 eager PyTorch's thirty small ops per layer cost more than a small model's arithmetic. The math is
 ``kvwire.model.model``'s on weights as stored and FP8 pages read in place; activations are fp32
 except into int8 layers on AVX512-VNNI and bf16 layers on AVX512-BF16 CPUs (see
-docs/decisions/043-fused-decode-activations.md). K/V bytes are ``reference.write_kv``'s bit for bit
-and each row's result is independent of the step's other rows (verification is exact). Anything else
-returns None and the model's own forward runs.
+docs/decisions/043-fused-decode-activations.md). K/V bytes are ``reference.write_kv``'s bit for bit,
+each row's result is independent of the step's other rows; anything else returns None (model forward).
 """
 from __future__ import annotations
 
