@@ -736,8 +736,8 @@ ALWAYS_INLINE f32x16 exp_nonpos(f32x16 x) {
 }
 
 /* out = silu(gate) * up, gu = [gate | up] per row. sigmoid(g) from e = e^-|g| (never overflows):
- * 1 / (1 + e) for g >= 0, e / (1 + e) below; 16 at a time (a scalar expf per element was 6% of a
- * one-row step on SmolLM2-135M, and grew with every row of a verification). */
+ * 1 / (1 + e) for g >= 0, e / (1 + e) below; 16 at a time, not a scalar expf per element (see
+ * docs/decisions/044-cpu-kernel-tuning.md). */
 void kvw_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gu + r * 2 * inter, *up = gate + inter;
@@ -970,10 +970,9 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
             out[1] = hsum(den);
         }
     /* weighted sums of V: the chunk's V rows are dequantized once (into L1), then each query
-     * vector runs over its positions with its sums in registers (summed in memory position by
-     * position, every add waited on a store and a reload: 10-13% more attention time in 6- to
-     * 9-row verification steps). The same operations in the same order for every element, so
-     * the same bits as before and in any group. */
+     * vector runs over its positions with its sums in registers (sums in memory wait on a store
+     * and a reload per add; see docs/decisions/044-cpu-kernel-tuning.md). The same operations in
+     * the same order for every element, so the same bits in any group. */
     f32x16 vb[ATT_CHUNK][nc];
     float vsc[ATT_CHUNK];
     for (int64_t j = jlo; j <= jhi; j++) {
