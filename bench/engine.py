@@ -1,6 +1,5 @@
-"""Engine benchmark: ours (each weight x KV mode, paged cache) against transformers and llama.cpp on
-the same weights and token ids: prefill tokens/s, batch-1 decode tokens/s, batched decode at
-batch 1/4/16, peak memory.
+"""Engine benchmark: ours (weight x KV modes) against transformers and llama.cpp on the same weights
+and token ids: prefill, batch-1 and batched decode tokens/s, peak memory.
 
     python -m bench engine --model smollm2-135m [--weights none,bf16,int8,fp8] [--kv fp8_e4m3,bf16] \
         [--peers transformers-fp32,transformers-bf16,llama.cpp-f16,llama.cpp-q8_0] \
