@@ -4,19 +4,7 @@
     python -m bench accuracy --model-dir PATH                  # an HF directory or a .gguf
     python -m bench accuracy                                   # the embedded model
 
-Text: the Python documentation topics that tools/train_embedded.py holds out (every 10th topic of
-``pydoc_data.topics``, on every machine with Python). For weights {bf16, int8, fp8} x KV pages
-{bf16, fp8}:
-  - perplexity over held-out windows. Each window is fed as a 32-token prompt and then
-    ``--chunk``-token steps, so every later query reads the *paged* KV (quantized for fp8), as
-    decoding does; a single prefill would never read the pages;
-  - greedy agreement with bf16/bf16 for held-out prompts: teacher-forced top-1 agreement on
-    bf16/bf16's tokens, and the mean length of the identical free-running prefix.
-Next to them, llama.cpp's perplexity (llama-cpp-python, logits for every position) on the same
-token ids for f16 and q8_0 GGUFs of the same weights (bench/llamacpp.py converts them).
-Budgets vs bf16/bf16: int8 weights +1% perplexity, fp8 weights +2%, fp8 KV alone +0.5%; and our
-int8 at or below llama.cpp q8_0. Bounded by --max-tokens / --prompts / --gen (the defaults take a
-few minutes on 2 cores for a 135M model). Writes bench/out/accuracy-<model>-<stamp>.{json,md}.
+Method and details: bench/README.md, section ``bench/accuracy.py``.
 """
 from __future__ import annotations
 
@@ -29,11 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench import common
+from bench import common, llamacpp
 from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.generate import generate
 from kvwire.kv.spec import KVPageSpec
+from kvwire.model.registry import fetch
 from kvwire.runtime import EngineConfig, load_engine
 from kvwire.sampling_params import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
@@ -77,14 +66,12 @@ def with_kv(engine, kv: KVDtype):
 
 def model_path(args) -> Path:
     if args.model:
-        from kvwire.model.registry import fetch
         return fetch(args.model)
     return args.model_dir
 
 
 def llamacpp_rows(path: Path, windows: list[list[int]], threads: int) -> dict:
     """{type: perplexity or the reason there is none}."""
-    from bench import llamacpp
     ok, why = llamacpp.status()
     if not ok:
         tqdm.write(f"llama.cpp not installed: {why}")

@@ -3,24 +3,7 @@
     python -m bench disagg [--prompt-lens 128,512,1024] [--gen 32] [--repeats 3]
     python -m bench disagg --model smollm2-135m-instruct --weights int8 --speculative ngram
 
-For each KV dtype (fp8_e4m3, bf16) the three services start as real processes on loopback with the
-model (the embedded one by default; any model directory, GGUF or registered name); each prompt length
-is sent in `repeats` rounds, one request at a time, timing every streamed message at the client: to
-decode_svc's GenerateTokens with the prompt prefilled on prefill_svc (``served``: the page stream),
-inside decode_svc (``served_local_prefill``) and where decode_svc's policy puts it
-(``served_default``: kv_source unset), and as text through the front door (tokenizer_svc). The same prompts also run
-in-process through the public engine API (``kvwire.LLM.stream``: same model, weights, KV settings
-and paged cache, no server) in this process: once with this process's threads (all usable cores)
-and once with decode_svc's share of the cores (tools/stack.py splits them between prefill_svc and
-decode_svc while both compute; each lends the other its share while idle, ``--share-cores``), the
-threads each service computed with before lending. ``--speculative`` sets the default speculative mode
-of both (decode_svc's flag and the LLM's); a draft model is loaded only with ``--speculative
-draft``. Then ``--concurrency`` different prompts go at once, through the services and through the
-in-process engine (batched, ``LLM.generate``): output tok/s of the same workload. The KV bytes per
-prompt token come from a direct Prefill call (every chunk's bytes, scales included). Each round
-runs every column once, served and in-process alternating, so a machine that slows down for a
-while (a shared host's neighbours) slows every column alike instead of one block of repeats.
-Writes bench/out/disagg-<model>-<stamp>.{json,md}.
+Method and details: bench/README.md, section ``bench/disagg.py``.
 """
 from __future__ import annotations
 

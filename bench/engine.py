@@ -1,17 +1,11 @@
-"""Engine benchmark: ours (each weight x KV mode, paged cache) against transformers and llama.cpp on
-the same weights and token ids: prefill tokens/s, batch-1 decode tokens/s, batched decode at
-batch 1/4/16, peak memory.
+"""Engine benchmark: ours (weight x KV modes) against transformers and llama.cpp on the same weights
+and token ids: prefill, batch-1 and batched decode tokens/s, peak memory.
 
     python -m bench engine --model smollm2-135m [--weights none,bf16,int8,fp8] [--kv fp8_e4m3,bf16] \
         [--peers transformers-fp32,transformers-bf16,llama.cpp-f16,llama.cpp-q8_0] \
         [--prompt-len 512] [--decode-tokens 32] [--batches 1,4,16] [--batch-ctx 128]
 
-``--model`` is a random-weight shape built locally (bench/shapes.py) or ``--model-dir`` any HF
-Llama directory (the embedded model). Every configuration runs in its own process
-(bench/engine_runs.py says how each phase is timed) so its peak RSS is its own; memory bandwidth
-is measured in the same run, and each batch-1 decode figure is put against the roofline
-bandwidth / (weight bytes read per token). llama.cpp runs when ``llama-cpp-python`` and ``gguf``
-import; otherwise the report says why.
+Method and details: bench/README.md, section ``bench/engine.py``.
 """
 from __future__ import annotations
 
@@ -24,6 +18,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import common, llamacpp, machine, plots, shapes
+from bench.engine_runs import run_spec
+from kvwire.model.registry import resolve_model_path
 
 PEERS = {"transformers-fp32": ("transformers", "none"), "transformers-bf16": ("transformers", "bf16"),
          "llama.cpp-f16": ("llama.cpp", "f16"), "llama.cpp-q8_0": ("llama.cpp", "q8_0")}
@@ -31,7 +27,6 @@ PEERS = {"transformers-fp32": ("transformers", "none"), "transformers-bf16": ("t
 
 def run_one(spec: dict, timeout_s: float, in_process: bool = False) -> dict:
     if in_process:  # quick runs (smoke test): no isolation, so peak RSS is this whole process's
-        from bench.engine_runs import run_spec
         return run_spec(spec)
     proc = subprocess.run([sys.executable, "-m", "bench.engine_runs", json.dumps(spec)], cwd=common.ROOT,
                           stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s)
@@ -66,7 +61,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
 
-    from kvwire.model.registry import resolve_model_path
     model_dir = resolve_model_path(args.model_dir) if args.model_dir else shapes.build(args.model, args.models_dir)
     facts = machine.facts(device=args.device)
     base = {"model_dir": str(model_dir), "device": args.device, "prompt_len": args.prompt_len,

@@ -1,29 +1,22 @@
 """Tokenizer files for an exported HF directory, so a serving peer (vLLM) loads the model whole.
 
-``bench.hf_weights.hf_dir`` writes config.json + model.safetensors only; a server also needs the
-tokenizer. For a GGUF source the tokenizer is the one our services use
-(``kvwire.model.gguf_tokenizer.build_tokenizer``), written as:
-
-* tokenizer.json: the ``tokenizers`` pipeline itself (same ids as ``ModelTokenizer.encode``);
-* tokenizer_config.json: BOS/EOS, the chat template, ``PreTrainedTokenizerFast``;
-* generation_config.json: the EOS ids (GGUF eos + the template's end-of-turn), as we stop on them.
-
-    hf_model_dir("smollm2-135m-instruct")  # -> bench/.models/hf/<name>-<sha12>, weights + tokenizer
+Method and details: bench/README.md, section ``bench/hf_tokenizer.py``.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from bench.hf_weights import hf_dir
+from kvwire.model import gguf
+from kvwire.model.gguf_tokenizer import build_tokenizer
+from kvwire.model.source import model_source
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def export_tokenizer(model_path: str | Path, out: Path) -> Path:
     """Write TOKENIZER_FILES for ``model_path``'s GGUF tokenizer into ``out`` (kept when present)."""
-    from kvwire.model import gguf
-    from kvwire.model.gguf_tokenizer import build_tokenizer
-    from kvwire.model.source import model_source
-
     src = model_source(model_path)
     if src.gguf is None:
         raise ValueError(f"{model_path}: not a GGUF source; an HF directory carries its own tokenizer")
@@ -57,9 +50,6 @@ def export_tokenizer(model_path: str | Path, out: Path) -> Path:
 
 def hf_model_dir(model_path: str | Path) -> Path:
     """``hf_dir(model_path)`` with tokenizer files added (an HF source directory is returned as is)."""
-    from bench.hf_weights import hf_dir
-    from kvwire.model.source import model_source
-
     out = hf_dir(model_path)
     if model_source(model_path).gguf is not None:
         export_tokenizer(model_path, out)

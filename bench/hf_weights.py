@@ -11,15 +11,15 @@ import json
 from pathlib import Path
 
 from bench.common import MODELS
+from kvwire.model import gguf
+from kvwire.model.source import model_source
 
 
 def hf_dir(model_path: str | Path) -> Path:
     """``model_path`` itself when it is an HF directory, else the exported directory."""
-    from kvwire.model.source import model_source
     src = model_source(model_path)
     if src.gguf is None:
         return src.path
-    from kvwire.model import gguf
     reader = gguf.open_gguf(src.gguf)
     out = MODELS / "hf" / f"{src.name}-{gguf.weights_sha256(reader)[:12]}"
     if (out / "model.safetensors").is_file():
@@ -28,6 +28,7 @@ def hf_dir(model_path: str | Path) -> Path:
 
 
 def export(path: Path, out: Path, config: dict) -> Path:
+    # torch only here: hf_dir of an HF directory stays torch-free for the serve-vs-vllm parent process.
     import torch
     from safetensors.torch import save_file
 

@@ -3,14 +3,7 @@ compiled Triton kernels on a CUDA device, the C kernels (kvwire_kernels/cpu) on 
 
     python -m bench kernels [--device cuda|cpu] [--batches 1,16,64] [--contexts 512,2048,8192]
 
-For each model's head layout (SmolLM2-135M, TinyLlama-1.1B, Llama-3-8B) and KV dtype:
-  - decode attention: b sequences of c positions each, one query per sequence (all heads), time
-    per call and the KV bytes it must read (values and, for FP8, scales) per second, against the
-    read bandwidth measured in this run;
-  - writes: one decode step's b tokens, and a prefill of b x 512 tokens, per layer.
-Timed with CUDA events on a GPU, perf_counter on the CPU (the median of 20 calls after 5 untimed
-ones). Triton has no CPU backend: there the C kernels the engine uses on CPUs are timed instead,
-on torch's thread count, against the read bandwidth measured on the CPU.
+Method and details: bench/README.md, section ``bench/kernels.py``.
 """
 from __future__ import annotations
 
@@ -24,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from bench import common, machine
+from kvwire_kernels import cpu
 from kvwire_kernels import reference as ref
 
 LAYOUTS = {"smollm2-135m": (3, 3, 64), "tinyllama-1.1b": (4, 8, 64), "llama3-8b": (8, 4, 128)}  # Hkv, ratio, D
@@ -53,9 +47,8 @@ def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
 def kernels(device: str):
     """The module-like object with the reference's two signatures for ``device``."""
     if device.startswith("cuda"):
-        from kvwire_kernels import triton_kv
+        from kvwire_kernels import triton_kv  # triton: a GPU-only dependency (the test extra)
         return triton_kv
-    from kvwire_kernels import cpu
     if not cpu.available():
         raise SystemExit(f"the CPU kernels are not available here: {cpu.unavailable_reason}")
     return types.SimpleNamespace(paged_decode_attention=cpu.paged_attention,
@@ -65,8 +58,8 @@ def kernels(device: str):
 def pages(n: int, hkv: int, d: int, dtype: torch.dtype, dev: str):
     """n pages written as the engine writes them (the reference's write_kv) from Gaussian K and V.
     Not random bytes: one byte in 16 would be an e4m3 subnormal, which the CPU kernel widens through
-    an fp32 subnormal (a microcode assist, about 5x slower attention); a real model's pages hold
-    about one in 8,000 (SmolLM2-135M, 1,024-token prompt), Gaussian values one in 17,000."""
+    an fp32 subnormal (a microcode assist that slows attention several times); a real model's pages
+    hold about one in 8,000 (SmolLM2-135M, 1,024-token prompt), Gaussian values one in 17,000."""
     shape = (n, hkv, BLOCK, d)
     state = [torch.zeros(shape, device=dev, dtype=dtype), torch.zeros(shape, device=dev, dtype=dtype)]
     if dtype == torch.bfloat16:

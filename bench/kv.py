@@ -3,22 +3,7 @@ time per layer, and how much of the transfer prefill hides behind its own comput
 
     python -m bench kv [--model-dir models/kvwire-tiny | --model smollm2-135m] [--prompt-lens 128,512]
 
-For each KV dtype, prefill_svc runs as a real process (or ``--addr``); each prompt (seeded random
-ids) is sent ``--repeats`` times to ``Prefill`` and every message's arrival is stamped at the client.
-The same model then runs in this process through prefill_svc's own PrefillRunner, stamping the
-moment each layer's pages are complete, and timing the wire path of each layer's pages alone
-(encode_layer + protobuf serialize, then parse + decode_chunk's size and CRC checks).
-
-  - bytes/token: KV payload (values + scales) of the served stream / prompt tokens; protobuf
-    framing is reported apart;
-  - exposed transfer = max(0, time-to-last-chunk - forward time), time-to-last-chunk counted from
-    the header's arrival (the forward starts right after the header is sent), forward time from
-    the in-process run (each the best of ``--repeats``: the shared CPU only ever adds time);
-  - hidden share = the share of the KV (layers; every layer has the same bytes) whose last chunk
-    had arrived before the forward time had elapsed: shipped while prefill was still computing.
-    At most (layers - 1) / layers, as the last layer's pages can only leave after the forward.
-    Against it stands layers x wire time per layer, what shipping after the forward would add.
-    Both are estimates from two runs (served and in-process) of the same work.
+Method and details: bench/README.md, section ``bench/kv.py``.
 """
 from __future__ import annotations
 
@@ -36,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from bench import common, machine, plots, shapes
+from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.config import KVDtype, QuantMode
 from kvwire.kv.wire import decode_chunk, encode_layer
 from kvwire.runtime import EngineConfig, load_engine
@@ -43,6 +29,7 @@ from prefill_svc.runner import PrefillRunner
 from protos import convert as conv
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
+from tools.stack import REPO, free_port, wait_serving
 
 
 async def served(addr: str, ids: list[int], num_layers: int) -> dict:
@@ -88,7 +75,6 @@ def in_process(runner: PrefillRunner, ids: list[int]) -> dict:
 
 
 def start_prefill(model_dir: Path, weights: str, kv: str, pages: int, threads: int = 0) -> tuple[subprocess.Popen, str]:
-    from tools.stack import REPO, free_port, wait_serving
     addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     proc = subprocess.Popen([sys.executable, "-m", "prefill_svc", "--listen", addr, "--model-dir", str(model_dir),
@@ -143,7 +129,6 @@ def measure(args, model_dir: Path, kv: str, lens: list[int], bar) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from kvwire.config import DEFAULT_MODEL_DIR
     ap = argparse.ArgumentParser(prog="python -m bench kv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)

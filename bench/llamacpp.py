@@ -3,15 +3,7 @@
     python -m bench engine --peers llama.cpp-f16,llama.cpp-q8_0
     python -m bench accuracy --model smollm2-135m-instruct     # perplexity rows
 
-``to_gguf`` writes a Llama-architecture GGUF of an HF checkpoint with the ``gguf`` package (no
-download, no tokenizer: ``tokenizer.ggml.model = no_vocab`` with the vocabulary size, since the
-benchmarks feed token ids). Q and K projections are permuted to llama.cpp's rotary layout exactly
-as convert_hf_to_gguf.py does. ``gguf_to_f16`` does the same for a GGUF source (e.g. the Q4_1
-SmolLM2 file): every tensor dequantized by ``gguf.quants`` and stored as f16, names and row order
-kept. q8_0 comes from llama.cpp's own quantizer (``llama_model_quantize``) over the f16 file.
-``run_llamacpp`` times the same phases as bench/engine_runs.py through llama.cpp's C API
-(``llama_decode`` on a ``llama_batch``; one sequence id per stream, a unified KV buffer);
-``perplexity`` scores windows of token ids with logits at every position.
+Method and details: bench/README.md, section ``bench/llamacpp.py``.
 """
 from __future__ import annotations
 
@@ -22,6 +14,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from bench.common import MODELS
+from bench.phases import prompts, time_phases
+from kvwire.model import gguf as ours
 
 
 def status() -> tuple[bool, str]:
@@ -117,7 +113,6 @@ def gguf_to_f16(src: Path, out: Path) -> Path:
     order (Q/K are already permuted in the source), so this is the same weights our loader reads."""
     from gguf.quants import dequantize
 
-    from kvwire.model import gguf as ours
     if out.is_file():
         return out
     reader = ours.open_gguf(src)
@@ -147,9 +142,7 @@ def gguf_for(model_path: Path, fmt: str) -> Path:
     """The f16 or q8_0 GGUF of a checkpoint (an HF directory, or a GGUF file / a directory holding
     one), cached under bench/.models/gguf (git-ignored; never beside a model in the repo) and keyed
     by the weights' path, size and mtime, so a rebuilt model converts anew."""
-    from bench.common import MODELS
-    from kvwire.model.gguf import find_gguf
-    src = find_gguf(Path(model_path))
+    src = ours.find_gguf(Path(model_path))
     weights = [src.resolve()] if src is not None else sorted(Path(model_path).resolve().glob("*.safetensors"))
     key = hashlib.sha256("|".join(f"{w}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights).encode())
     out = MODELS / "gguf"
@@ -219,7 +212,6 @@ def weight_bytes(path: Path) -> int:
 
 def run_llamacpp(s: dict) -> dict:
     import llama_cpp as L
-    from bench.engine_runs import prompts, time_phases
     _quiet(L)
     path = gguf_for(Path(s["model_dir"]), s["weights"])
     nmax = max(s["batches"])

@@ -3,16 +3,7 @@
     python -m bench memory --model smollm2-135m-instruct
     python -m bench memory --shape tinyllama-1.1b        # random weights of a real shape (bench/shapes.py)
 
-prefill_svc and decode_svc start as real processes on loopback with tools/stack.py's flags (the
-cores split between them, their default KV pools); ``--requests`` prompts of ``--prompt-len``
-tokens go through decode_svc, alternating between its own prefill and prefill_svc's page stream;
-then each process's resident set (VmRSS) and its peak since it started (VmHWM) are read from /proc.
-Weights: the bytes of the model's tensors loaded in the same mode, counted in this process (int8
-layers and head with their scales, the embedding table, norms); pool: the service's pool stats,
-pages x bytes per page. Everything else is the runtime: Python, torch (its import alone is about
-220 MB), gRPC, the OpenMP pools, buffers. The tokenizer service is not started: it holds no model,
-and a random-weight shape has no tokenizer.
-Writes bench/out/memory-<model>-<stamp>.{json,md}.
+Method and details: bench/README.md, section ``bench/memory.py``.
 """
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """Serving metrics from client-side timestamps, with the definitions of vLLM's ``bench serve``.
 
-Per request (all times at the client, from the moment the request is sent):
-  - TTFT: until the first response message that carries at least one token id;
-  - E2E latency: until the last message of the stream;
-  - TPOT: (E2E - TTFT) / (output_tokens - 1); undefined for a 1-token output (left out of TPOT
-    statistics, and counted as meeting a TPOT limit, as vLLM does);
-  - ITL: the gaps between successive token-carrying messages. A message that carries k tokens
-    (speculative decoding, batched flushes) gives ONE gap, as vLLM counts one per chunk: so mean
-    ITL can exceed TPOT, and sum(ITL) = E2E - TTFT only up to a final token-less message.
-Per run (duration = first send to last completion):
-  - request throughput = completed requests / duration; output token throughput = output tokens /
-    duration; total token throughput = (prompt + output tokens) / duration;
-  - goodput = completed requests meeting every given limit (TTFT, TPOT, E2E) / duration.
+Method and details: bench/README.md, section ``bench/metrics.py``.
 """
 from __future__ import annotations
 

@@ -2,14 +2,7 @@
 
     python -m bench prefix [--model-dir PATH] [--shared 1024] [--turns 6] [--turn-tokens 32]
 
-Every request is the same system prompt (``--shared`` tokens of held-out text) followed by its own
-user turn (``--turn-tokens`` tokens). prefill_svc runs as a real gRPC server on loopback in this
-process; the decode engine (kvwire's AsyncEngine, what decode_svc serves from) pulls the KV from
-it over gRPC, one request at a time. Run twice: prefix caching off on both sides (every request a
-miss), then on (the first request a miss, the others hits: decode holds the system prompt's
-pages, asks prefill only for the rest, and prefill computes only the rest). Reports TTFT (first
-token out of the engine) and the KV bytes on the wire per request.
-Writes bench/out/prefix-<model>-<stamp>.{json,md}.
+Method and details: bench/README.md, section ``bench/prefix.py``.
 """
 from __future__ import annotations
 
@@ -38,7 +31,7 @@ from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 
 
 def prompts(tok: ModelTokenizer, shared: int, turns: int, turn_tokens: int) -> list[list[int]]:
-    from tools.train_embedded import load_corpus
+    from tools.train_embedded import load_corpus  # imports transformers (the bench extra)
     _, held, _ = load_corpus()
     ids = [t for text in held for t in tok.encode(text, add_special_tokens=False)]
     if len(ids) < shared + turns * turn_tokens:

@@ -1,18 +1,14 @@
 """Prompt sets for the speculative decoding benchmark, from real text on this machine.
 
-* grounded: tasks whose answer quotes its context, the case prompt lookup is for: editing a
-  function of Python's standard library (its source pasted), extracting and quoting sentences
-  from a pasted page of Python's documentation (pydoc topics), summarizing such a page with
-  quotations. Real text, never repeated tokens.
-* chat: free questions, where the answer is not in the prompt (acceptance is low).
-
-Chat-formatted with the model's template when it has one. Deterministic: same prompts every run.
+Method and details: bench/README.md, section ``bench/prompts_spec.py``.
 """
 from __future__ import annotations
 
 import ast
 import inspect
 import itertools
+
+from kvwire.tokenizer import ChatMessage
 
 CODE_MODULES = ("textwrap", "shlex", "fnmatch", "glob", "posixpath", "string", "bisect", "heapq", "calendar")
 DOC_TOPICS = ("assert", "break", "continue", "del", "global", "if", "pass", "raise", "return", "while",
@@ -92,6 +88,5 @@ def chat(n: int) -> list[str]:
 def encode(tok, text: str) -> list[int]:
     """Chat-formatted when the model has a template, else the plain text."""
     if tok.chat_template:
-        from kvwire.tokenizer import ChatMessage
         return tok.encode_chat([ChatMessage(role="user", content=text)])
     return tok.encode(text)

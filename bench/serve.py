@@ -4,14 +4,7 @@
         [--num-prompts 32] [--concurrency 1,4,16] [--slo-ttft-ms 1000] [--slo-tpot-ms 100] \
         [--speculative none|draft|ngram]
 
-Starts the three services as real processes (tools/stack.py), sends one warm-up request, then for
-each concurrency level sends the same seeded prompts (``--num-prompts`` of them, at most
-``concurrency`` in flight, no pacing: vLLM's ``--max-concurrency`` with an infinite request rate).
-Prompts are windows of ``--input-len`` tokens of held-out text (``--dataset heldout``; the service
-adds BOS, so a prompt is about input_len + 1 tokens) or decoded random token ids (``random``,
-vLLM's random dataset); ``max_tokens`` = ``--output-len`` with ``ignore_eos`` makes every output
-exactly that long. Metric definitions: bench/metrics.py (vLLM's). ``--addr`` targets a running
-front door instead of starting a stack.
+Method and details: bench/README.md, section ``bench/serve.py``.
 """
 from __future__ import annotations
 
@@ -30,12 +23,13 @@ from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
+from tools.stack import Stack
 
 
 def build_prompts(tok: ModelTokenizer, n: int, input_len: int, dataset: str, seed: int) -> list[str]:
     rng = random.Random(seed)
     if dataset == "heldout":
-        from tools.train_embedded import load_corpus
+        from tools.train_embedded import load_corpus  # imports transformers (the bench extra)
         ids = [t for text in load_corpus()[1] for t in tok.encode(text, add_special_tokens=False)]
         if len(ids) > 2 * input_len:
             starts = [rng.randrange(len(ids) - input_len) for _ in range(n)]
@@ -133,7 +127,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.addr:
         levels = run(args.addr, prompts, args)
     else:
-        from tools.stack import Stack
         print("starting tokenizer_svc, decode_svc, prefill_svc ...", flush=True)
         draft = args.draft_model_dir
         if draft is None:

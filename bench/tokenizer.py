@@ -3,13 +3,7 @@ and the incremental detokenizer's latency per streamed token against ``tokenizer
 
     python -m bench tokenizer [--model-dir models/kvwire-tiny] [--num-texts 512] [--concurrency 16]
 
-Texts are the paragraphs of the held-out corpus (tools/train_embedded.py). Encode: the
-``Tokenize`` RPC one text at a time (sequential) and with ``--concurrency`` calls in flight, against
-``Tokenizer.encode_batch`` and a per-text ``encode`` loop in this process (tokens/s, same texts).
-Detokenize: the held-out token stream fed one token at a time to tokenizer_svc's
-``IncrementalDetokenizer`` (what the front door does per generated token) and to
-``tokenizers.decoders.DecodeStream``; per-token latency in microseconds and whether the texts agree.
-Starts tokenizer_svc alone (no decode needed for Tokenize) unless ``--addr`` names a running one.
+Method and details: bench/README.md, section ``bench/tokenizer.py``.
 """
 from __future__ import annotations
 
@@ -30,10 +24,11 @@ from kvwire.tokenizer import ModelTokenizer
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
+from tools.stack import REPO, free_port, wait_serving
 
 
 def corpus(n: int) -> list[str]:
-    from tools.train_embedded import load_corpus
+    from tools.train_embedded import load_corpus  # imports transformers (the bench extra)
     paras = [p.strip() for text in load_corpus()[1] for p in text.split("\n\n") if p.strip()]
     return paras[:n]
 
@@ -86,7 +81,6 @@ def detok(tok: ModelTokenizer, ids: list[int]) -> dict:
 
 
 def start_service(model_dir: Path) -> tuple[subprocess.Popen, str]:
-    from tools.stack import REPO, free_port, wait_serving
     addr = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "tokenizer_svc", "--listen", addr, "--model-dir", str(model_dir),
                              "--decode-addr", f"127.0.0.1:{free_port()}"], cwd=REPO,

@@ -1,14 +1,6 @@
 """``python -m bench trace``: one request through the three real services, its trace drawn as a waterfall.
 
-Starts prefill_svc, decode_svc and tokenizer_svc on loopback exporting OTLP to an in-process
-receiver (tools.otlp_receiver: what Jaeger or Tempo would get), sends one warm-up request and then
-the measured one, and draws the measured request's spans: one row per span (service, span name),
-a bar from its start for its duration, coloured by service. The KV transfer bar overlapping
-prefill's forward bar is the disaggregation at work: pages stream while later layers compute.
-
-    python -m bench trace                              # bench/out/trace-<model>-<stamp>.{json,md,png}
-    python -m bench trace --docs                       # also copy the PNG to docs/trace.png
-    python -m bench trace --prompt-tokens 512 --max-tokens 32 --kv-dtype bf16
+Method and details: bench/README.md, section ``bench/trace.py``.
 """
 from __future__ import annotations
 
@@ -19,7 +11,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import grpc
+
 from bench import common
+from kvwire.config import DEFAULT_MODEL_DIR
+from kvwire.tokenizer import ModelTokenizer
+from protos.kvwire.v1 import kvwire_pb2 as pb
+from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
+from tools.otlp_receiver import OtlpReceiver
+from tools.stack import Stack
 
 SERVICE_COLOURS = {"kvwire-tokenizer": "#4C72B0", "kvwire-decode": "#DD8452", "kvwire-prefill": "#55A868"}
 DOCS_PNG = common.ROOT / "docs" / "trace.png"
@@ -100,9 +100,6 @@ def markdown(report: dict) -> str:
 
 
 async def _request(addr: str, text: str, max_tokens: int) -> list[int]:
-    import grpc
-    from protos.kvwire.v1 import kvwire_pb2 as pb
-    from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
     async with grpc.aio.insecure_channel(addr) as ch:
         ids: list[int] = []
         async for msg in pbg.TokenizerServiceStub(ch).GenerateText(pb.GenerateTextRequest(
@@ -122,11 +119,6 @@ def _complete(spans) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    from kvwire.config import DEFAULT_MODEL_DIR
-    from kvwire.tokenizer import ModelTokenizer
-    from tools.otlp_receiver import OtlpReceiver
-    from tools.stack import Stack
-
     model_dir = args.model_dir or DEFAULT_MODEL_DIR
     tok = ModelTokenizer(model_dir)
     sentence = "The for statement iterates over the items of any sequence, in the order they appear. "

@@ -13,6 +13,9 @@ import torch
 from kvwire.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the seed space
+# Tuned: the most likely tokens searched first for the top-p nucleus (then 4x as many), against a
+# full sort of the vocabulary; see docs/decisions/045-sampler-cpu-paths.md.
+NUCLEUS_FIRST_K = 64
 
 
 def step_generator(seed: int | None, step: int) -> torch.Generator:
@@ -36,16 +39,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-NUCLEUS_FIRST_K = 64  # the most likely tokens searched first for the top-p nucleus (then 4x as many)
-
-
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [vocab] -> the top-p nucleus, renormalised: the smallest prefix of the tokens in
     descending probability whose mass reaches ``top_p`` (the token that crosses it included), zero
     elsewhere. Searched among the ``NUCLEUS_FIRST_K`` most likely tokens, then 4x as many, before
-    all of them: sorting SmolLM2's 49,152 probabilities took 3.4 ms a token (2-core AMD EPYC, 1
-    thread), the top 64 0.1 ms, and a nucleus found within the top k is the one a full sort finds
-    (the cumulative mass only grows, so every token after the first dropped one is dropped too)."""
+    all of them: a nucleus found within the top k is the one a full sort finds (the cumulative mass
+    only grows, so every token after the first dropped one is dropped too)."""
     n, k = probs.shape[-1], min(NUCLEUS_FIRST_K, probs.shape[-1])
     while True:
         top, order = torch.topk(probs, k)  # [k], descending
@@ -59,10 +58,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def argmax(logits: torch.Tensor) -> list[int] | int:
     """The greedy choice: the index of the largest logit (the first one on ties), per row of
-    ``logits`` [..., vocab]. fp32 CPU rows go through numpy, whose argmax is vectorized: 5 us
-    for a 49,152-logit row against 42 for ``torch.argmax`` (2-core AMD EPYC, 1 thread), which is
-    paid once per request per token and once per verification row. Both take the first maximum,
-    so the choice is the same either way."""
+    ``logits`` [..., vocab]. fp32 CPU rows go through numpy, whose argmax is vectorized (see
+    docs/decisions/045-sampler-cpu-paths.md). Both take the first maximum, so the choice is the
+    same either way."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         out = logits.numpy().argmax(-1)
     else:
@@ -73,9 +71,8 @@ def argmax(logits: torch.Tensor) -> list[int] | int:
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One index of ``probs`` [n] (non-negative weights, any positive total) with probability
     proportional to its weight, from a single uniform of ``generator``: the inverse of the
-    cumulative distribution, summed in float64. ``torch.multinomial`` draws one exponential per
-    entry instead, the CPU's mt19937 49,152 times for one SmolLM2 token: 0.96 ms against 0.06 here
-    (2-core AMD EPYC, 1 thread), 12% of a sampled decode step. A zero weight is never drawn."""
+    cumulative distribution, summed in float64, where ``torch.multinomial`` draws one exponential
+    per entry (see docs/decisions/045-sampler-cpu-paths.md). A zero weight is never drawn."""
     cdf = probs.detach().to("cpu", torch.float64).cumsum(0)  # [n]
     total = float(cdf[-1])
     if not math.isfinite(total) or total <= 0.0:

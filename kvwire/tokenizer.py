@@ -12,14 +12,7 @@ from tokenizers import Tokenizer
 from kvwire.files import LoadError, read_json, resolve_inside
 from kvwire.model import gguf
 from kvwire.model.gguf_tokenizer import build_tokenizer
-from kvwire.model.source import model_source
-
-
-def _token_text(value) -> str | None:
-    # tokenizer_config.json writes special tokens either as "<s>" or as {"content": "<s>", ...}.
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+from kvwire.model.source import model_source, token_text
 
 
 @dataclass(frozen=True)
@@ -53,8 +46,8 @@ class ModelTokenizer:
                 self.tok = Tokenizer.from_file(str(path))
             except Exception as e:  # noqa: BLE001 - tokenizers raises untyped errors for bad files
                 raise LoadError(f"{path}: not a readable tokenizer.json ({e})") from e
-            self.bos_token = _token_text(cfg.get("bos_token"))
-            self.eos_token = _token_text(cfg.get("eos_token"))
+            self.bos_token = token_text(cfg.get("bos_token"))
+            self.eos_token = token_text(cfg.get("eos_token"))
             self.chat_template = cfg.get("chat_template")
         self.bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
         if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:

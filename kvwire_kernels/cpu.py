@@ -1,20 +1,10 @@
 """The CPU decode kernels (``kvwire_kernels/cpu/kvwire_cpu.c``): built on first use, called through ctypes.
 
-The C file is compiled for this machine (``-march=native``: AVX-512 where the CPU has it, AVX2
-otherwise) into a cache directory keyed by the source, the compiler and the CPU's flags, so a
-machine never runs a binary built for another CPU. Building takes seconds and needs only gcc (or
-``$CC``). Where there is no compiler (the container image), prebuilt binaries for the x86-64-v4
-(AVX-512, with and without VNNI) and x86-64-v3 (AVX2) levels (``python -m kvwire_kernels.cpu --prebuild DIR``, run when the
-image is built) are used, the best one this CPU's flags allow. When neither works, or with
-``KVWIRE_CPU_KERNELS=0``, ``library()`` is None and callers keep the PyTorch path
-(``kvwire_kernels.reference`` / ``torch.nn.functional``), which is also what the tests check these
-kernels against. ``KVWIRE_CPU_KERNELS=1`` makes their absence an error instead.
-
-torch is imported first on purpose: the library links ``libgomp.so.1``, and the dynamic loader then
-reuses the OpenMP runtime torch already loaded, so both share one thread pool.
-
-Tensor-level wrappers here check dtypes, shapes and contiguity; the decode step
-(``kvwire.model.fast_decode``) calls the library directly with pointers it prepared once.
+Compiled with ``-march=native`` into a cache keyed by source, compiler and CPU flags (never a binary
+built for another CPU); without a compiler, the best prebuilt ISA level the flags allow (``--prebuild
+DIR``). Otherwise, or with ``KVWIRE_CPU_KERNELS=0``, ``library()`` is None and callers keep the
+PyTorch path the tests compare against (``KVWIRE_CPU_KERNELS=1``: absence is an error). torch is
+imported first so the library's libgomp reuses torch's OpenMP runtime (one thread pool).
 """
 from __future__ import annotations
 

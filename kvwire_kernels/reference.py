@@ -1,23 +1,11 @@
 """PyTorch references for the KV page kernels: the specification, and the CPU path.
 
-Page layout (format 2, see ``kvwire.kv.spec.KVPageSpec``), per layer:
-
-    k_pages, v_pages  [num_pages, num_kv_heads, block_size, head_dim]  float8_e4m3fn or bfloat16
-    k_scale, v_scale  [num_pages, num_kv_heads, block_size] bfloat16 (fp8 only; None for bf16)
-
-    value = float(fp8) * float(scale[page, kv_head, offset])
-
-A token's slot is ``page_id * block_size + offset``. Each (token, kv-head) has its own scale,
-its amax / 448 rounded up to bfloat16, chosen from that token's values alone, so a write touches
-only its own slot: bytes already in a page never change (rollback is a truncate, and a step may
-write several tokens of a sequence before any of them attends). The token's largest value lands
-within 2**-8 of 448 and is stored (almost) exactly, which matters: a few outlier channels carry
-most of q.k, and a power-of-two scale (E8M0), which leaves the largest value an ordinary E4M3
-rounding, measured about twice the perplexity cost on SmolLM2-135M. A scale of 0 (an empty slot)
-dequantizes to 0.
-
-``kvwire_kernels.triton_kv`` implements the same functions and is tested bit-for-bit against these (for
-writes and dequantization) and within float32 round-off (for attention).
+Per layer (format 2, ``KVPageSpec``): pages [num_pages, num_kv_heads, block_size, head_dim] fp8 e4m3
+or bf16, scales [num_pages, num_kv_heads, block_size] bf16 (fp8 only), value = fp8 * scale, slot =
+``page_id * block_size + offset``. A (token, kv-head) scale is its amax / 448 rounded up to bf16, so
+a write never changes bytes already written and the largest value is stored almost exactly (see
+docs/decisions/044-cpu-kernel-tuning.md); scale 0 dequantizes to 0. ``triton_kv`` matches these bit
+for bit for writes and dequantization, within float32 round-off for attention.
 """
 from __future__ import annotations
 
@@ -44,7 +32,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_to_float(x: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn -> float32, exactly, about 4x faster than ``x.float()`` on CPU.
+    """float8_e4m3fn -> float32, exactly, faster than ``x.float()`` on CPU.
 
     torch converts fp8 element by element; this moves the bits instead: e4m3's exponent and
     mantissa land in float32's fields (bias 127 instead of 7, so scale by 2**120), and e4m3

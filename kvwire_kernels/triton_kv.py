@@ -1,14 +1,9 @@
 """Triton kernels for KV pages, with the signatures of ``kvwire_kernels.reference`` (the spec).
 
-Rounding: the kernels never use Triton's fp8/bf16 casts. They read and write pages through
-integer views (uint8 for fp8 e4m3, int16 for bf16) and do the float <-> bits conversion with
-explicit round-to-nearest-even arithmetic. Triton's interpreter (TRITON_INTERPRET=1, the CPU test
-path) truncates where torch rounds, and ``tl.float8e4nv`` does not exist before sm_89; bit
-arithmetic gives the same bytes as torch everywhere, so writes are tested for exact equality.
-Divisions that feed a rounding use ``tl.math.div_rn`` (IEEE round-to-nearest, like torch), not
-``/``, which a GPU compiles to an approximate division. Attention sums in a different order than
-the reference: equal within float32 round-off.
-
+Pages are read and written through integer views with explicit round-to-nearest-even bit
+arithmetic, never Triton's fp8/bf16 casts (the interpreter truncates where torch rounds, and
+``tl.float8e4nv`` needs sm_89), and divisions feeding a rounding use ``tl.math.div_rn``: writes
+equal torch's bytes everywhere. Attention sums in another order: equal within float32 round-off.
 Precondition: page and scale tensors are contiguous.
 """
 from __future__ import annotations

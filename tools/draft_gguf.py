@@ -1,18 +1,6 @@
 """Write the distilled SmolLM2 draft (tools/train_draft.py) as one GGUF file the existing loader reads.
 
-Why GGUF and not config.json + safetensors: a draft must share its target's tokenizer, which the
-engine checks by fingerprint (decode_svc compares ``tokenizer_sha256``). For a GGUF target that is a
-hash of the file's ``tokenizer.*`` metadata, so the draft carries the very same fields, copied in
-order with their stored types; an HF directory could only offer a tokenizer.json hash, which never
-equals it. And size: the tied 49,152 x 576 embedding is 57 MB in bf16, over the 50 MB budget;
-stored as the target's own Q8_0 blocks (copied byte for byte) it is 30 MB and loads to exactly the
-target's table.
-
-Contents: ``token_embd.weight`` (the target's Q8_0 bytes; tied, so also the head), the trained
-blocks as Q8_0 (Q/K rows in llama.cpp's interleaved order, as convert_hf_to_gguf writes them; the
-loader undoes it), norms in F32, llama.* hyper-parameters, and three informational keys:
-``kvwire.draft.target``, ``kvwire.draft.source_layers`` and ``kvwire.draft.head_vocab`` (the most
-frequent target tokens, for a reduced draft head; see models/smollm2-draft/README.md).
+Method and details: tools/README.md, section ``tools/draft_gguf.py``.
 """
 from __future__ import annotations
 
@@ -23,7 +11,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
+from kvwire.kv.dense import DenseKVCache
 from kvwire.model import gguf as kvgguf
+from kvwire.model.loader import load_model
 from kvwire.model.registry import resolve_model_path
 
 TARGET = "smollm2-135m-instruct"
@@ -94,8 +84,6 @@ def export(student, head_vocab: list[int], path: Path, target: str = TARGET) -> 
 def check(student, path: Path, ids: list[int]) -> float:
     """Max |logit difference| between the student and the written file loaded by kvwire (fp32), on ``ids``.
     Small but not zero: the blocks are stored as Q8_0."""
-    from kvwire.kv.dense import DenseKVCache
-    from kvwire.model.loader import load_model
     loaded = load_model(path)
     cache = DenseKVCache(loaded.config, 1, len(ids))
     pos = cache.prepare([0], [len(ids)])

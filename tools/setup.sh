@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # The CPU build of torch first: the project's range then installs nothing bigger.
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,bench,codegen]"
 if [ -f protos/generate.py ]; then .venv/bin/python -m protos.generate; fi
 # Compile the CPU decode kernels for this machine now (seconds), not in the first process that needs them.
 .venv/bin/python -m kvwire_kernels.cpu

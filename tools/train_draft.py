@@ -2,22 +2,7 @@
 
     nice -n 5 python -m tools.train_draft --minutes 60
 
-Four phases, all in this script, sharing the ``--minutes`` budget:
-
-1. answers (``--gen-share``): the target's greedy answers (kvwire's engine, int8 weights, FP8 KV,
-   batched) to chat prompts built from real text on this machine (tools/draft_data.py: summarize,
-   quote, extract, explain or edit code, write a function, free questions);
-2. labels (``--label-share``): one teacher-forced target pass (bf16) over those chats and over plain
-   text passages gives, at every position, the target's top-k next-token log-probabilities and its
-   final hidden state;
-3. training (the rest): a 4-layer Llama with the target's width, initialised from a spaced subset of
-   the target's 30 layers, tied to the target's embedding table (frozen), learns KL to the top-k
-   soft labels plus MSE to the final hidden state (so its logits track the target's over the
-   whole vocabulary, not only over the labelled tokens);
-4. export: one GGUF file (tools/draft_gguf.py) the existing loader reads as a draft.
-
-Writes ``--out``/smollm2-draft.gguf and ``train_stats.json``; tools/eval_draft.py measures
-acceptance and speed and tools/draft_gguf.py documents the file.
+Method and details: tools/README.md, section ``tools/train_draft.py``.
 """
 from __future__ import annotations
 
@@ -35,10 +20,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from kvwire import LLM, SamplingParams  # noqa: E402
 from kvwire.config import DType, ModelConfig  # noqa: E402
 from kvwire.model.loader import load_model  # noqa: E402
 from kvwire.model.model import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from kvwire.tokenizer import ChatMessage  # noqa: E402
 from tools import draft_data  # noqa: E402
+from tools.draft_gguf import check, export  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 OUT = draft_data.REPO / "models" / "smollm2-draft"
@@ -115,8 +103,6 @@ class Student(nn.Module):
 
 def generate_answers(prompts: list[str], seconds: float, max_tokens: int, batch: int, threads: int):
     """(prompt ids, answer ids) for as many prompts as the budget allows, target greedy."""
-    from kvwire import LLM, SamplingParams
-    from kvwire.tokenizer import ChatMessage
     llm = LLM(TARGET, weights="int8", kv_dtype="fp8_e4m3", num_pages=4096, max_running=batch)
     torch.set_num_threads(threads)
     tok, t0, out = llm.tokenizer, time.time(), []
@@ -205,7 +191,7 @@ def train(student, data, head_vocab, seconds: float, args) -> dict:
             lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:
                 g["lr"] = lr
-            # bf16 matmuls (AVX512-BF16), fp32 master weights and softmax: ~1.5x faster here.
+            # bf16 matmuls (AVX512-BF16), fp32 master weights and softmax (see docs/decisions/040-standalone-draft-model.md).
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss, kl, mse, match = loss_fn(student, collate(data, idx), head_vocab, args.negatives,
                                                args.hidden_weight)
@@ -300,7 +286,6 @@ def main():
     train_seconds = max(1.0, budget - (time.time() - t_start) - args.export_minutes * 60)
     stats = train(student, data, head_vocab, train_seconds, args)
 
-    from tools.draft_gguf import check, export
     args.out.mkdir(parents=True, exist_ok=True)
     path = export(student, head_vocab.tolist(), args.out / "smollm2-draft.gguf")
     export_diff = check(student, path, data[0][0][:96].tolist())

@@ -2,19 +2,7 @@
 
     nice -n 5 python -m tools.train_draft_head --minutes 55
 
-Phases, sharing the ``--minutes`` budget:
-
-1. answers (``--gen-share``): the target's greedy answers (kvwire's engine, int8 weights, FP8 KV,
-   batched) to chat prompts built from real text on this machine (tools/draft_data.py);
-2. labels (``--label-share``): one teacher-forced pass of the int8 target (the weights the engine
-   serves, so the features are the ones the head will read) over those chats gives, at every
-   position, the target's final normed hidden state and its top-k next-token log-probabilities;
-3. training (the rest): the head learns, from (f_t, x_{t+1}), f_{t+1}: KL to the target's top-k
-   soft labels for x_{t+2} over a candidate set (the head vocabulary, every labelled id, random
-   negatives) plus the relative MSE to f_{t+1}; unrolled ``--unroll`` steps on its own predictions,
-   as the engine chains them. Answer positions are drawn twice as often as prompt positions.
-   1 chat in 20 is held out: its teacher-forced top-1 agreement is reported per chained step;
-4. export: ``draft_head.json`` + ``model.safetensors`` (bf16) in ``--out`` and ``train_stats.json``.
+Method and details: tools/README.md, section ``tools/train_draft_head.py``.
 """
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """Train kvwire's embedded default models from scratch on CPU.
 
-Produces two HF-format directories that share one byte-level BPE tokenizer:
-
-* ``models/kvwire-tiny``        target, a small LlamaForCausalLM (GQA, tied embeddings)
-* ``models/kvwire-tiny-draft``  draft for speculative decoding, 5-10x fewer parameters
-
-Corpus: the text of Python's own documentation topics (``pydoc_data.topics``) of the running
-interpreter. Topic names are sorted and every 10th topic is held out for evaluation. Seeds and
-data order are fixed, and training budgets are step counts (with a wall-clock safety cap), so the
-defaults reproduce the committed models on the same Python/torch versions:
-
-    python tools/train_embedded.py
-
-The script evaluates both models (held-out loss/perplexity, greedy draft/target agreement),
-prints sample continuations and writes a model card (README.md) into each directory.
+Method and details: tools/README.md, section ``tools/train_embedded.py``.
 """
 from __future__ import annotations
 

@@ -26,9 +26,8 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
              causal: bool = False) -> torch.Tensor:
     """q: [n, H, D]; k, v: [m, Hkv, D] -> [n, H, D] (grouped-query attention).
 
-    The inputs go in 4-D ([1, heads, tokens, head_dim]): on CPU, 3-D inputs with enable_gqa take
-    the unfused math path (torch 2.13: a 512-token SmolLM2 prompt, 2 threads, 31 ms per layer
-    against 5 ms for the flash kernel the 4-D call gets, a third of the whole prefill)."""
+    The inputs go in 4-D ([1, heads, tokens, head_dim]): on CPU, 3-D inputs with enable_gqa take the
+    unfused math path, not the flash kernel (see docs/decisions/042-bf16-linear-and-loading.md)."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # [1, heads, tokens, head_dim]
         attn_mask=mask, is_causal=causal and mask is None, enable_gqa=q.shape[1] != k.shape[1])

@@ -1,25 +1,11 @@
-"""The paged KV cache: FP8 (or bf16) pages from a PagePool, read by paged attention.
+"""The paged KV cache: FP8 (or bf16) pages from a PagePool in ``KVPageSpec``'s layout (copied to the wire as is).
 
-Same calling pattern as ``DenseKVCache``: ``prepare(seq_ids, num_new)`` before each forward step,
-then the model calls ``attend`` once per layer. Page tensors keep ``KVPageSpec``'s layout exactly,
-per layer ``k: [num_pages, num_kv_heads, block_size, head_dim]`` and ``k_scale: [num_pages,
-num_kv_heads, block_size]`` bfloat16 (v alike), so the wire codec copies page bytes unchanged.
-
-Pages are append-only (format 2): each (token, kv-head) has its own scale, so writing a token
-never changes a byte already in the cache. Hence, per sequence, a step's attention is one of:
-  - fresh prompt (new tokens start at position 0): plain causal attention over this step's
-    full-precision K/V (exactly what DenseKVCache computes); the K/V are also written to pages;
-  - any number of tokens after existing context (a decode step: 1; a speculative verification:
-    k+1): all are written first, then every one of them attends over the pages up to its own
-    position, all sequences of the step in ONE ``paged_decode_attention`` call with one row per
-    query. Each query sees exactly the bytes a one-token-at-a-time decode would have written and
-    goes through the same kernel, so verifying k+1 tokens gives plain decoding's logits in one
-    call, and rejecting some of them afterwards is ``truncate``;
-  - more than ``MAX_PAGED_QUERIES`` tokens after context (chunked scoring of long text): the
-    sequence's visible pages are dequantized once and attended with masked sdpa instead.
-``truncate`` also zeroes the dropped slots of the last kept page, and new pages are zeroed when
-allocated, so a page's bytes depend on its sequence's tokens alone: truncating and writing again
-gives the bytes of writing once (and wire checksums are reproducible).
+Called as ``DenseKVCache`` (``prepare`` per step, ``attend`` per layer). Pages are append-only, so per
+sequence a step is: a fresh prompt (causal attention over its full-precision K/V, also written to
+pages); up to ``MAX_PAGED_QUERIES`` tokens after context (written first, then each attends over the
+pages up to its own position, so verifying k + 1 tokens gives plain decoding's logits and rejection
+is ``truncate``); or more (pages dequantized once, masked sdpa). Truncated slots and new pages are
+zeroed, so a page's bytes depend on its sequence's tokens alone (reproducible wire checksums).
 """
 from __future__ import annotations
 
@@ -31,13 +17,11 @@ from kvwire.config import KVDtype, ModelConfig
 from kvwire.kv.dense import attention_mask, sdpa_gqa
 from kvwire.kv.pool import RELEASED, BlockTables, OutOfPages, PagePool
 from kvwire.kv.spec import FORMAT_VERSION, KVPageSpec
+from kvwire.kv.tuned import MAX_PAGED_QUERIES
 from kvwire_kernels import dispatch
 from kvwire_kernels.reference import SCALE_DTYPE
 
 TORCH_KV_DTYPES = {KVDtype.FP8_E4M3: torch.float8_e4m3fn, KVDtype.BF16: torch.bfloat16}
-# Above this many new tokens after context, one sequence's queries attend through dequantize +
-# sdpa: the one-row-per-query kernel call would gather its pages once per query.
-MAX_PAGED_QUERIES = 64
 
 
 class PagedKVCache:
@@ -69,9 +53,6 @@ class PagedKVCache:
         self._step: list[tuple[int, int, int]] = []  # (seq_id, start, num_new)
 
     # ---- sequences and pages ------------------------------------------------------------------
-
-    def add_sequence(self, seq_id: int) -> None:
-        self.tables.add(seq_id)
 
     def free_sequence(self, seq_id: int) -> None:
         self.tables.free(seq_id)

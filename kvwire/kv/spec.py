@@ -1,25 +1,11 @@
 """KVPageSpec: the one definition of a KV page, shared by prefill, decode, the kernels and the wire.
 
-Torch-free on purpose (the wire codec and the scheduler import it without tensors).
-
-Page format 2 ("append-only"). Layout of one page of one layer, the same in memory and on the wire:
-
-    K values  [num_kv_heads, block_size, head_dim]   fp8_e4m3 (1 byte) or bf16 (2 bytes)
-    V values  [num_kv_heads, block_size, head_dim]
-    K scales  [num_kv_heads, block_size] bfloat16     fp8 only: value = fp8 * scale
-    V scales  [num_kv_heads, block_size] bfloat16
-
-One scale per (token, kv-head), for K and for V: writing a token touches only that token's bytes,
-never an earlier entry, so a rollback is a truncate and a step may write several tokens of one
-sequence before attending. The scale is the token's amax / 448 rounded up to bfloat16, so
-nothing saturates and the largest value is stored almost exactly. Bytes vs bf16:
-(head_dim + 2) / (2 * head_dim): 0.516x at head_dim 64 (within 0.52x), 0.531x at head_dim 32.
-
-Format 1 (one float32 scale per (page, kv-head) that grew as tokens arrived, requantizing the
-page) is only described here so a peer that still sends it is refused with a readable diff.
-
-A pool holds, per layer, ``k: [num_pages, num_kv_heads, block_size, head_dim]`` (and ``v`` alike)
-plus ``k_scale: [num_pages, num_kv_heads, block_size]`` bfloat16 (and ``v_scale``).
+Torch-free on purpose (the wire codec and the scheduler import it without tensors). Page format 2,
+one page of one layer, the same in memory and on the wire: K and V values [num_kv_heads,
+block_size, head_dim] fp8_e4m3 or bf16, and for fp8 K and V scales [num_kv_heads, block_size] bf16
+(value = fp8 * scale). One scale per (token, kv-head), the token's amax / 448 rounded up to bf16:
+a write touches only its own token's bytes (rollback is a truncate) and nothing saturates. Format 1
+(a per-page scale that grew) is only described, so a peer still sending it is refused readably.
 """
 from __future__ import annotations
 
@@ -28,7 +14,6 @@ from dataclasses import asdict, dataclass
 
 from kvwire.config import KVDtype, ModelConfig
 
-FP8_E4M3_MAX = 448.0
 FORMAT_VERSION = 2  # the page format this build writes and reads
 
 

@@ -2,7 +2,7 @@
 
 A standalone draft model must rebuild, from tokens alone, what the target already knows about the
 context; with a 135M target it costs a third of a target step per drafted token and agrees too
-rarely to pay (models/smollm2-draft). This head reads instead the target's final normed hidden
+rarely to pay (docs/decisions/040-standalone-draft-model.md). This head reads instead the target's final normed hidden
 state ``f_t`` (what the target's LM head turns into token ``t + 1``) together with the embedding of
 the token that was chosen at ``t + 1``, and predicts ``f_{t+1}``; the target's own LM head rows
 (a reduced vocabulary: the tokens the target emits most) turn that into the next proposal. Further

@@ -1,30 +1,11 @@
-"""The decode step in two C calls (``kvwire_kernels/cpu``), for the steps that decide speed.
+"""The decode step in two C calls (``kvwire_kernels/cpu``): all layers, then the final norm's LM head.
 
-A decode or speculative-verification step (every token of the step comes after context already in
-the paged cache) costs, in eager PyTorch, some thirty small torch ops per layer, and on a small
-model their dispatch costs more than the arithmetic (SmolLM2-135M: ~2,000 ops per token). Here
-one call runs every layer (``kvw_decode_layers``), each of them
-
-    rms_norm -> qkv linear -> rope + split -> write K/V to pages -> paged attention
-    -> o linear (+ residual) -> rms_norm -> gate_up linear -> silu * up -> down linear (+ residual)
-
-with weights read in their stored form (int8 + per-row scale, bf16, the bf16 image of fp8, fp32)
-by matvec kernels that stream them once for all rows of the step, and attention reading FP8 pages
-in place (no dequantized copy of the context); a second call is the final norm's LM head. The math
-is ``kvwire.model.model``'s. Activations stay fp32 (the PyTorch int8 and bf16 paths round them to
-bf16), except into int8 layers on CPUs with AVX512-VNNI: there they are quantized to int8 per block
-of 32 values, as llama.cpp's q8_0 does, and multiplied in int8 (``kvwire_kernels.cpu.int8_activations``;
-``KVWIRE_INT8_ACTIVATIONS=0`` keeps fp32), which measured +0.75% perplexity on SmolLM2-135M-Instruct
-(``python -m bench accuracy``) for about twice the matvec speed; and into bf16 layers (bf16, fp8
-weights) on CPUs with AVX512-BF16: there they are rounded to bf16 and multiplied by ``vdpbf16ps``
-(``kvwire_kernels.cpu.bf16_activations``; ``KVWIRE_BF16_ACTIVATIONS=0`` keeps fp32), bf16/fp8
-perplexity +0.34% against +0.20%, batched steps 1.8-2x faster. K/V bytes written are
-``kvwire_kernels.reference.write_kv``'s bit for bit.
-Every row's result is independent of the other rows of the step (see the C file), so verifying
-k + 1 tokens gives each the logits of decoding it alone.
-
-Anything else (prompts, long chunks, an unsupported layer type or shape, no compiler) returns
-None and the model's own forward runs.
+For decode and speculative-verification steps (every token after context in the paged cache), where
+eager PyTorch's thirty small ops per layer cost more than a small model's arithmetic. The math is
+``kvwire.model.model``'s on weights as stored and FP8 pages read in place; activations are fp32
+except into int8 layers on AVX512-VNNI and bf16 layers on AVX512-BF16 CPUs (see
+docs/decisions/043-fused-decode-activations.md). K/V bytes are ``reference.write_kv``'s bit for bit,
+each row's result is independent of the step's other rows; anything else returns None (model forward).
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package; torch-free.
 
-What this module knows: where a GGUF is (a ``.gguf`` path or a directory holding exactly one),
-how llama.cpp's metadata keys map onto a Hugging Face ``config.json``, how its tensor names map
-onto ours, and how to turn one stored tensor into float32 values (``gguf.quants.dequantize``,
-then llama.cpp's Q/K row permutation undone). The loader dequantizes tensor by tensor, so at most
-one tensor is held in float32 beside the model being built.
-
-Torch-free: the tokenizer service reads a GGUF's tokenizer through this module.
+Where a GGUF is (a ``.gguf`` path or a directory holding exactly one), how its metadata maps onto a
+Hugging Face ``config.json`` and its tensor names onto ours, and one stored tensor as float32
+(dequantized, llama.cpp's Q/K row permutation undone), so the loader holds one fp32 tensor at a time.
 """
 from __future__ import annotations
 
@@ -61,8 +57,9 @@ def _open(path_str: str, mtime_ns: int, size: int):
         raise LoadError(f"{path}: reading GGUF files needs the 'gguf' package ({e})") from e
 
     class PlainReader(GGUFReader):
-        # The reader slices its np.memmap ~1M times to parse a 49k-token vocabulary, and each memmap
-        # slice pays Python-level bookkeeping; a plain ndarray view of the same mapping parses 3x faster.
+        # The reader slices its np.memmap about once per vocabulary entry field, and each memmap slice
+        # pays Python-level bookkeeping; a plain ndarray view of the same mapping parses faster
+        # (see docs/decisions/042-bf16-linear-and-loading.md).
         @property
         def data(self):
             return self._data

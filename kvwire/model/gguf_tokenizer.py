@@ -1,16 +1,9 @@
-"""A Hugging Face ``tokenizers.Tokenizer`` rebuilt from a GGUF file's tokenizer metadata.
+"""A Hugging Face ``tokenizers.Tokenizer`` rebuilt from a GGUF file's tokenizer metadata (torch-free).
 
-A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary (``tokenizer.ggml.tokens``), the
-token types, BPE merges or SentencePiece scores, the special ids, the pre-tokenizer's name and the
-chat template. Two vocabularies are rebuilt, as llama.cpp reads them:
-
-* ``gpt2``: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM), split by the regex its pre-tokenizer
-  name stands for;
-* ``llama``: SentencePiece BPE (Llama 2, Mistral, TinyLlama) with byte fallback; merges are
-  recovered from the token scores when the file has none.
-
-Tokens marked CONTROL become special added tokens, USER_DEFINED plain added tokens, so both
-are matched whole in text. Torch-free.
+Two vocabularies, as llama.cpp reads them: ``gpt2`` (byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM;
+split by the regex its pre-tokenizer name stands for) and ``llama`` (SentencePiece BPE with byte
+fallback: Llama 2, Mistral, TinyLlama; merges recovered from the scores when the file has none).
+CONTROL tokens become special added tokens and USER_DEFINED plain added tokens, matched whole.
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""The dense linear layer the model is built from.
+"""The dense linear layer the model is built from: weights fp32 or bf16, activations fp32.
 
-Weights may be fp32 or bf16; activations arrive in fp32. A one-row (decode) bf16 matmul streams
-the weights at full memory bandwidth everywhere. Over many rows (prefill) it depends on the CPU:
-without native bf16 arithmetic (no AVX512-BF16 / AMX) it is ~5x slower
-than fp32, so bf16 weights are upcast; with it (this project's CI machines report AVX512-BF16)
-the bf16 matmul is ~3.5x faster than the upcast, so the activations are cast to bf16 instead.
-That matmul rounds its output to bf16 (8 bits of mantissa: logits near 25 land on steps of 0.125,
-so two tokens tie and greedy decoding picks by index). Below ``UPCAST_MIN_ROWS`` rows, where the
-weights' bandwidth decides the speed anyway, the CPU kernels (``kvwire_kernels/cpu``) multiply bf16
-weights by fp32 activations with fp32 sums and output instead, when they are built.
-The choice comes from the CPU's feature flags (and whether the CPU kernels are built, which
-``KVWIRE_CPU_KERNELS=0`` turns off), never from timing, so every process on a machine computes the
-same numbers. On a GPU the activations are cast to the weights' dtype.
+bf16 weights over many rows run a bf16 matmul where the CPU has native bf16 (AVX512-BF16 / AMX) and
+are upcast to fp32 a block at a time elsewhere; fewer rows take the CPU kernels' fp32 sums, since a
+bf16 output would round near-tied logits into ties. The choice comes from the CPU's flags (and
+``KVWIRE_CPU_KERNELS``), never from timing, so every process on a machine computes the same numbers;
+see docs/decisions/042-bf16-linear-and-loading.md. On a GPU activations take the weights' dtype.
 Quantized replacements (kvwire.model.quant) keep the same ``forward(x) -> y`` contract.
 """
 from __future__ import annotations
@@ -22,13 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows at or above which a bf16 weight is upcast to fp32 for the matmul (compute-bound regime).
-UPCAST_MIN_ROWS = 16
-# Bytes of converted weight per block. A whole 2048x5632 fp32 copy is past glibc's mmap threshold,
-# so every call page-faults it in fresh (~35 ms, vs ~2 ms for the conversion); 4 MiB blocks are
-# reused from the heap and stay near full matmul speed. Small models fit in one block (SmolLM2's
-# 3072x576 gate_up in bf16 is 3.4 MiB), so their wide matmuls need no concatenation.
-UPCAST_BLOCK_BYTES = 4 << 20
+from kvwire.model.tuned import UPCAST_BLOCK_BYTES, UPCAST_MIN_ROWS
+from kvwire_kernels import cpu
 
 
 def upcast_block_rows(w: torch.Tensor, dtype: torch.dtype) -> int:
@@ -47,8 +35,7 @@ def upcast_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    cpu = torch.cpu
-    return any(bool(getattr(cpu, flag, lambda: False)()) for flag in
+    return any(bool(getattr(torch.cpu, flag, lambda: False)()) for flag in
                ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
@@ -56,8 +43,7 @@ def _cpu_kernels(w: torch.Tensor):
     """The CPU kernels module when it can multiply ``w`` (contiguous, on the CPU), else None."""
     if w.device.type != "cpu" or not w.is_contiguous():
         return None
-    from kvwire_kernels import cpu  # the kernels build on first use
-    return cpu if cpu.available() else None
+    return cpu if cpu.available() else None  # the kernels build on first use
 
 
 class Linear(nn.Module):

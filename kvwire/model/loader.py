@@ -26,6 +26,7 @@ from kvwire.model import gguf
 from kvwire.model.linear import Linear
 from kvwire.model.model import Transformer, rope_inv_freq
 from kvwire.model.source import load_config, model_source
+from kvwire.model.tuned import TRIM_EVERY_BYTES
 
 __all__ = ["LoadError", "LoadedModel", "load_config", "load_model"]
 
@@ -156,12 +157,9 @@ def load_model(model_dir: str | Path, dtype: DType = DType.FP32, device: str = "
     return LoadedModel(model=builder.finish(), config=cfg, weights_sha256=sha.hexdigest())
 
 
-# glibc keeps freed blocks of up to 32 MB (the loader's temporaries) in its heap, where the layers
-# built between them can pin them: on the TinyLlama-1.1B shape (int8) that retained 0.1-0.6 GB, so
-# freed pages are handed back (malloc_trim) each time this many bytes of parameters have been built.
-# Trimming after every parameter measured about twice the load's CPU time (the next temporaries
-# fault in fresh pages); every 64 MB costs no measurable time.
-TRIM_EVERY_BYTES = 64 << 20
+# glibc keeps freed blocks of up to 32 MB (the loader's temporaries) in its heap, where layers built
+# between them can pin them, so freed pages are handed back (malloc_trim) every TRIM_EVERY_BYTES of
+# parameters built; see docs/decisions/042-bf16-linear-and-loading.md.
 
 
 @functools.cache

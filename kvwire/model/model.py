@@ -1,13 +1,9 @@
 """One Llama-family transformer (Llama, Mistral, Qwen2), read top to bottom.
 
-Tokens travel flattened: a step is ``num_tokens`` tokens that may belong to several sequences
-(a prefill of one prompt, a decode step of many sequences, or a mix). The model computes q/k/v and
-RoPE; *where* K/V live and *which* keys each query sees belong to the KV cache object, which the
-caller has prepared for this step (see ``KVCache``). So the contiguous cache used for reference
-generation and the paged FP8 cache plug in without touching the math here.
-
-No serving, gRPC or quantization imports: linear layers are ``kvwire.model.linear.Linear`` and may be
-swapped for quantized ones after loading.
+A step is ``num_tokens`` flattened tokens of one or several sequences. The model computes q/k/v
+and RoPE; where K/V live and which keys each query sees belong to the KV cache the caller prepared
+(``KVCache``), so the dense reference cache and the paged FP8 cache plug in without touching the
+math. No serving, gRPC or quantization imports: layers are ``kvwire.model.linear.Linear``.
 """
 from __future__ import annotations
 

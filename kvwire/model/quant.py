@@ -1,60 +1,10 @@
 """Quantized drop-in replacements for ``kvwire.model.linear.Linear`` and ``quantize_model``.
 
-Every layer keeps Linear's contract, ``forward(x fp32 [rows, in]) -> fp32 [rows, out]``, and is
-built at load time from the checkpoint's fp32/bf16 weight, which it does not keep. Which op runs
-("decode" = few rows; "bf16 CPU" = native bf16 arithmetic, AVX512-BF16 or AMX, read from the CPU's
-flags so every process on a machine computes the same numbers; the CUDA lines have not yet been
-run on a GPU):
-
-mode  rows                   op                                               numerics
-bf16  any, bf16 CPU / GPU    bf16 F.linear (Linear)                           W16A16
-      >= UPCAST_MIN_ROWS     other CPUs: bf16 weight upcast to fp32           W16A32
-int8  any, VNNI CPU          kvw_gemm_i8a8 (kvwire_kernels/cpu): activations  W8A8, act. per
-                             quantized per block of 32 (llama.cpp's q8_0),    block of 32
-                             int8 x int8 sums; the weight is stored only in
-                             that kernel's layout (vnni_layout)
-      other CPUs, GPU:
-      < W8A8_MIN_ROWS        aten._weight_int8pack_mm(x bf16, w int8)         W8A16, fp32 scales
-      >= W8A8_MIN_ROWS       int8 weight -> bf16 a block of rows at a time,   W8A16
-                             bf16 F.linear (bf16 CPU, GPU; fp32 elsewhere)    (W8A32)
-      W8A8_LAYERS only       quantized::linear_dynamic (fbgemm) on rows       W8A8, per-token act.
-                             scaled to absmax 1 (off by default, see below)
-      (in_features % 16 != 0: no int8pack_mm; every row count takes the wide line)
-      ("VNNI CPU": CPU kernels built with AVX512-VNNI, KVWIRE_INT8_ACTIVATIONS not 0, out % 16 == 0
-      and in % 64 == 0; W8A8_LAYERS keep fbgemm)
-fp8   decode, bf16 CPU, GPU  e4m3 weight (its exact bf16 image on CPU) x      W8A16, fp32 scales
-                             bf16 activations, bf16 F.linear
-      >= UPCAST_MIN_ROWS     other CPUs: the same weight upcast to fp32       W8A32
-
-Decode and speculative-verification steps on CPU do not come here: the fused step
-(``kvwire.model.fast_decode``) reads the same int8 weights through the same kernel on CPUs with
-AVX512-VNNI, so prompts and decode steps compute alike. Blocks of 32 confine an outlier channel to
-its own block, where one scale per token lets it round every other channel away. Measured with
-``python -m bench accuracy --model smollm2-135m-instruct --max-tokens 4096`` (2-core AMD EPYC,
-AVX-512 VNNI): int8/bf16 perplexity 16.999, +0.38% against bf16/bf16 (inside int8's +1% budget,
-below llama.cpp q8_0's 17.070); with decode steps on int8 activations but prompts on the bf16
-weight-only path it was 17.040, and with fp32 activations everywhere 16.918. On that CPU the
-kernel ran a 129-token prompt's matmuls about 1.6x faster than the bf16 path below, at 1 thread.
-
-Per-token activations are not quantized here because this model family's activations have outlier
-input channels (see W8A8_LAYERS for the measurements). fp8 weights are weight-only for the same
-reason: on SmolLM2-135M-Instruct e4m3 weights alone cost +2.1% perplexity, and e4m3 activations
-per token on top of them (torch._scaled_mm's W8A8) +2.9%.
-
-Why fp8 weights are a bf16 image on CPU: this CPU has no fp8 arithmetic, and converting
-e4m3 -> bf16/fp32 is a scalar loop (~40-60 ms per 11.5 M values), so any per-call dequantization
-costs more than the matmul. Every e4m3 value is exactly representable in bf16, so on CPU the
-weight is stored once as that bf16 image (2 bytes/param, lossless; ``.to(float8_e4m3fn)`` gives
-the e4m3 bytes back) and runs at bf16 speed.
-
-``quantize_model`` leaves lm_head alone unless ``include_lm_head=True``: its output is the logits
-that sampling and speculative acceptance read directly, with no later layer to average the error
-away, and with tied embeddings a quantized head is a second copy next to the embedding table
-(which must stay intact for the lookup). The engine (``kvwire.runtime``) passes True for int8
-(``HEAD_QUANTIZED``): at batch 1 the head is a sixth of what a step reads in int8 (SmolLM2-135M:
-28 MB of 134; the fp32 tied table would be 113 MB, most of the step), and measured on
-SmolLM2-135M-Instruct (2,048 held-out tokens, FP8 KV) it costs +0.16% perplexity (16.381 -> 16.408;
-bf16 weights: 16.423).
+Each layer keeps Linear's contract (fp32 [rows, in] -> fp32 [rows, out]) and is built at load time
+from a weight it does not keep. The op depends on rows and CPU flags, never timing: int8 takes int8
+activations in blocks of 32 on AVX512-VNNI CPUs and is weight-only elsewhere; fp8 is weight-only,
+its exact bf16 image on CPU. lm_head stays as is unless ``include_lm_head`` (its logits feed
+sampling directly; a tied table must stay intact). See docs/decisions/041-quantized-linear-paths.md.
 """
 from __future__ import annotations
 
@@ -66,35 +16,21 @@ import torch
 from torch import nn
 
 from kvwire.config import QuantMode
-from kvwire.model.linear import UPCAST_MIN_ROWS, Linear, cpu_has_native_bf16, upcast_linear
+from kvwire.model.linear import Linear, cpu_has_native_bf16, upcast_linear
+from kvwire.model.tuned import QUANT_BLOCK_ELEMS, UPCAST_MIN_ROWS, W8A8_LAYERS, W8A8_MIN_ROWS
+from kvwire_kernels import cpu
 
-# int8: rows at or above which wide-input paths run instead of weight-only int8pack_mm, whose
-# cost jumps from 8 rows on (2048x5632, 1 thread: ~1.5 ms for 1-4 rows, ~5 ms at 8, ~9 ms at 32).
-W8A8_MIN_ROWS = 8
-# Layers whose wide inputs take per-token W8A8 through fbgemm; all others (by default, every
-# layer) run weight-only int8 with bf16 (or fp32) activations. Measured on SmolLM2-135M-Instruct,
-# 6 held-out 256-token windows, perplexity vs fp32 15.750: weight-only everywhere -0.5%; per-token
-# W8A8 everywhere +3.4% (outlier input channels that no per-token scale can absorb, worst in the
-# RMSNorm outputs feeding qkv and gate_up: W8A8 on those two alone +1.8%, on attn.o and mlp.down
-# alone +0.8%); the old one-scale-per-tensor W8A8 +46%; llama.cpp q8_0 +1.1%.
-# The price is prefill speed: a 512-token prefill of that model (1 thread, CPU time) runs at 314
-# tok/s weight-only against 394 with the old W8A8 (bf16 weights: 319). SmoothQuant-style smoothing
-# calibrated on text, then per-token W8A8 everywhere, measured +0.7% (simulated): the way back to
-# fbgemm's speed within budget, not built yet.
-W8A8_LAYERS: tuple[str, ...] = ()
-# Weight modes whose engine also quantizes lm_head (see the module docstring).
+# Weight modes whose engine also quantizes lm_head: int8, where the head is a large share of a step's
+# reads; see docs/decisions/041-quantized-linear-paths.md.
 HEAD_QUANTIZED = frozenset({QuantMode.INT8})
 # fbgemm's reduce_range=True quantizes activations to 7 bits so that u8*s8 pair sums cannot
 # saturate int16 on CPUs without VNNI (AVX2's vpmaddubsw). With VNNI (vpdpbusd, 32-bit sums) the
 # full 8 bits are safe; the lost bit doubles the activation rounding error. Chosen from the CPU's
 # flags, never from timing.
 REDUCE_RANGE_WITHOUT_VNNI = True
-# The CPU int8pack_mm kernel reads out of bounds unless in_features % 16 == 0 (torch 2.13: NaNs,
-# or a segfault for 3+ rows, at in_features 8, 24, 40, 100, 2056); other shapes take the fallback.
+# The CPU int8pack_mm kernel reads out of bounds unless in_features % 16 == 0 (torch 2.13: NaNs or a
+# segfault); other shapes take the wide path.
 INT8PACK_K_MULTIPLE = 16
-# The loader quantizes a checkpoint's matrices this many values at a time (fp32 temporaries of a
-# few block sizes, not of the whole matrix; TinyLlama-1.1B's lm_head alone is 262 MB in fp32).
-QUANT_BLOCK_ELEMS = 1 << 20
 INT8_MAX, FP8_MAX = 127.0, float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 FP8 = torch.float8_e4m3fn
 
@@ -149,13 +85,11 @@ class Int8Linear(nn.Module):
         """The weight as [out, in] int8, whichever layout it is stored in."""
         if self.packed is None:
             return self.weight
-        from kvwire_kernels import cpu
         return cpu.unpack_i8a8(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] fp32 -> [rows, out] fp32
         if self.packed is not None and x.device.type == "cpu":
-            from kvwire_kernels import cpu
             return cpu.gemm_i8a8(x.float().contiguous(), self.packed, self.scale, self.bias)  # [rows, out] fp32
         if (x.shape[0] < W8A8_MIN_ROWS and x.device.type == "cpu"
                 and self.in_features % INT8PACK_K_MULTIPLE == 0):
@@ -167,9 +101,9 @@ class Int8Linear(nn.Module):
         return self._dequantized(x)
 
     def _weight_only(self, x: torch.Tensor) -> torch.Tensor:
-        # The kernel wants activations and scales in one dtype; fp32 activations take a scalar
-        # reference loop (~50x slower), so activations go in as bf16 with unit scales and the
-        # fp32 per-channel scales are applied to the [rows, out] result instead.
+        # The kernel wants activations and scales in one dtype, and fp32 activations take its scalar
+        # reference loop, so activations go in as bf16 with unit scales and the fp32 per-channel
+        # scales are applied to the [rows, out] result instead.
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight,
                                                self.unit_scale)  # [rows, out] bf16
         y = y * self.scale  # [rows, out] fp32 (bf16 * fp32 promotes: one pass, no float copy)
@@ -219,7 +153,6 @@ def vnni_layout(q: torch.Tensor) -> torch.Tensor | None:
     a shape it does not take (out % 16, in % 64)."""
     if q.device.type != "cpu" or q.shape[0] % 16 or q.shape[1] % 64:
         return None
-    from kvwire_kernels import cpu
     return cpu.pack_i8a8(q) if cpu.int8_activations() else None
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from kvwire.config import ConfigError, ModelConfig
-from kvwire.files import LoadError, read_json
+from kvwire.files import LoadError, read_json, resolve_inside
 from kvwire.model import gguf
 from kvwire.model.registry import resolve_model_path
 
@@ -64,9 +66,25 @@ def eos_token_ids(path: str | Path, cfg: ModelConfig | None = None) -> frozenset
     value = gen.get("eos_token_id")
     ids.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
     if src.gguf is None and (src.path / "tokenizer.json").is_file():
-        from kvwire.tokenizer import ModelTokenizer
         try:
-            ids.update(ModelTokenizer(src.path).eos_ids)
+            eos = _tokenizer_config_eos_id(src.path)
         except Exception:  # noqa: BLE001 - tokenizer files are optional here; config.json already spoke
-            pass
+            eos = None
+        if eos is not None:
+            ids.add(eos)
     return frozenset(ids)
+
+
+def token_text(value) -> str | None:
+    """A special token of tokenizer_config.json, written either as "<s>" or as {"content": "<s>", ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _tokenizer_config_eos_id(model_dir: Path) -> int | None:
+    """tokenizer_config.json's eos_token as an id of tokenizer.json's vocabulary (as ModelTokenizer reads it)."""
+    text = token_text((read_json(model_dir, "tokenizer_config.json", required=False) or {}).get("eos_token"))
+    if not text:
+        return None
+    return Tokenizer.from_file(str(resolve_inside(model_dir, "tokenizer.json"))).token_to_id(text)

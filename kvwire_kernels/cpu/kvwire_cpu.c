@@ -27,14 +27,28 @@
 #include <immintrin.h>
 #endif
 
-/* Software prefetch this many bytes ahead of a one-row (batch-1 decode) weight stream. On the Intel
- * Xeon with AMX this was measured on (TinyLlama-1.1B layer shapes, weights from memory, 2 threads,
- * builds alternating in one process), the hardware prefetchers alone streamed bf16 weights at 19.5
- * GB/s and packed int8 at 25.1; 2048 bytes ahead gave 24.0 and 27.6. On the AMD EPYC of the earlier
- * measurements one row streamed fastest on the hardware prefetcher alone, so only AMX builds (Intel
- * Sapphire Rapids and later) do it. */
+/* ---- tuned: each constant below was chosen by a measurement in docs/decisions/044-cpu-kernel-tuning.md.
+ * Only ATT_CHUNK changes results (the order attention's partial sums merge in); the rest is speed. */
+/* Bytes of software prefetch ahead of a one-row (batch-1) weight stream: AMX builds only, the other
+ * CPUs measured stream one row fastest on their hardware prefetchers alone. */
 #if defined(__AMX_TILE__) && !defined(KVW_ROW_PF)
 #define KVW_ROW_PF 2048
+#endif
+#ifndef KVW_PF
+#define KVW_PF 2048  /* bytes of prefetch ahead of a weight row that several activation rows share */
+#endif
+#ifndef L1_TILE_MAX_IN
+#define L1_TILE_MAX_IN 1024  /* widest input whose 4-row fp32 weight tile (16 KB) is kept in L1 */
+#endif
+#define GEMM_NR 12  /* activation rows per kvw_gemm_i8a8 tile (x 16 outputs); range_gemm's switch spells 1-11 */
+#ifndef KVW_AMX_MIN_ROWS
+#define KVW_AMX_MIN_ROWS 3  /* rows from which a kvw_gemm_i8a8 tile goes to AMX instead of VNNI */
+#endif
+#ifndef ATT_GROUP
+#define ATT_GROUP 16  /* rows of one sequence that share each position's K/V read in attention */
+#endif
+#ifndef ATT_CHUNK
+#define ATT_CHUNK 64  /* positions per attention task, a multiple of 16 */
 #endif
 
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -177,10 +191,10 @@ ALWAYS_INLINE void linear_range(const float *x, int64_t rows, int64_t in, const 
      * 2-4 rows: 4 output x all rows, converting weights on the fly. More rows (batched decode,
      * verification): each 4-row weight tile is converted to fp32 once into an L1 buffer, then every
      * group of 4 activation rows runs on it, so the conversion no longer scales with the rows
-     * (for inputs up to 1024 wide; wider ones convert on the fly, 4 x 4 tiles).
+     * (for inputs up to L1_TILE_MAX_IN wide; wider ones convert on the fly, 4 x 4 tiles).
      * The per-element arithmetic is the same in every case (conversions are exact). */
     const size_t ws = w_size(wt);
-    if (rows > 4 && wt != WT_F32 && in <= 1024) {  /* the fp32 tile (<= 16 KB) stays in L1 */
+    if (rows > 4 && wt != WT_F32 && in <= L1_TILE_MAX_IN) {  /* the fp32 tile stays in L1 */
         float *buf = malloc(sizeof(float) * 4 * in);
         for (int64_t o = o_begin; o < o_end;) {
             const int64_t no = o_end - o >= 4 ? 4 : 1;
@@ -367,9 +381,6 @@ void kvw_linear_bf16a16(const float *x, int64_t rows, int64_t in, const uint16_t
  * Determinism as above: each element's sequence of operations is the same in every tile. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVW_VNNI 1
-#ifndef KVW_PF
-#define KVW_PF 2048
-#endif
 typedef struct {
     int8_t *q;  /* [rows, in] */
     float *s;  /* [rows, in / 4]: per 4 inputs (a vpdpbusd lane), their block's scale */
@@ -434,9 +445,9 @@ ALWAYS_INLINE void tile_i8a8(act8_t a, int64_t in, const int8_t *w, int64_t o0, 
 static void range_i8a8(act8_t a, int64_t rows, int64_t in, const int8_t *w, int64_t out, int64_t o_begin,
                        int64_t o_end, float *y, const float *scale, const float *bias, const float *res) {
     /* One output row at a time, so the weights are read as one sequential stream, which the
-     * hardware prefetchers follow (8 interleaved rows, as the fp32 path reads them, ran at half
-     * the memory bandwidth: ~9 against ~19 GB/s on one core); activation rows in groups of 4, the
-     * weight row staying in L1 across the groups. */
+     * hardware prefetchers follow (interleaved rows ran at half the bandwidth, see
+     * docs/decisions/044-cpu-kernel-tuning.md); activation rows in groups of 4, the weight row
+     * staying in L1 across the groups. */
     for (int64_t o = o_begin; o < o_end; o++) {
         const int8_t *wo = w + (size_t)o * in;
         for (int64_t r = 0; r < rows; r += 4) {
@@ -497,12 +508,11 @@ void kvw_linear_i8a8(const float *x, int64_t rows, int64_t in, const int8_t *w, 
  * of 32 inputs (8 vpdpbusd, each with the row's 4 activation bytes broadcast from memory), then
  * converts once and adds block scale x sum to fp32 accumulators: 2 ops per 8 vpdpbusd, where the
  * one-output-row kernel above needs 2 per vpdpbusd. A panel of 16 outputs is 16 x in contiguous
- * bytes and panels follow each other, so at one row the weights are still one sequential stream.
- * Measured (SmolLM2-135M shapes, 1 thread, 30 layers): 129 rows 98 ms against 158 for the bf16
- * oneDNN path, 8 rows 5.5 ms against 13.0 for kvw_linear_i8a8. Each output element's operations
- * are the same in every tile (NR) and thread split. Requires out % 16 == 0, in % 64 == 0. */
+ * bytes and panels follow each other, so at one row the weights are still one sequential stream
+ * (speed against the bf16 and one-row paths: docs/decisions/044-cpu-kernel-tuning.md). Each output
+ * element's operations are the same in every tile (NR) and thread split. Requires out % 16 == 0,
+ * in % 64 == 0. */
 #ifdef KVW_VNNI
-#define GEMM_NR 12
 /* A tile's NR rows x 16 outputs from their fp32 accumulators: (acc - k) * scale + bias (+ residual). */
 ALWAYS_INLINE void gemm_store(const __m512 *acc, act8_t a, int64_t o0, int64_t r0, int64_t out, float *y,
                               const float *scale, const float *bias, const float *res, const int NR) {
@@ -547,20 +557,15 @@ ALWAYS_INLINE void gemm_tile(act8_t a, int64_t in, const uint8_t *wp, int64_t o0
  * int32 block sums; they are stored, and each row's are converted and added to its fp32
  * accumulator by block scale exactly as gemm_tile does, so a row's output is the same bits on AMX
  * and on VNNI, whichever tile it falls in. Two sum tiles alternate (block b + 32 multiplies while
- * block b's sums are scaled). The per-block store and reload of the sums is what this costs: on
- * the machine it was written on, a tile of 16 rows x 16 outputs x 32 inputs took ~22 ns against
- * ~5 for the multiply alone. In a decode step (weights streamed from memory) AMX was faster from 3
- * rows on (SmolLM2-135M, 9 rows of one sequence: 13.2 against 17.2 ms a step; 2 rows: 8.3 against
- * 8.0), so tiles of KVW_AMX_MIN_ROWS rows or more go to AMX and shorter tails to gemm_tile.
+ * block b's sums are scaled). The per-block store and reload of the sums is what this costs, so
+ * only tiles of KVW_AMX_MIN_ROWS rows or more go to AMX and shorter tails to gemm_tile (see
+ * docs/decisions/044-cpu-kernel-tuning.md).
  * Tiles: 0-1 sums [m x 64 B], 2-3 A [m x 32 B], 4-5 B [8 x 64 B]. Linux hands out AMX state on
  * request (arch_prctl), once per process. */
 #if defined(KVW_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KVW_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
-#ifndef KVW_AMX_MIN_ROWS
-#define KVW_AMX_MIN_ROWS 3
-#endif
 static int amx_granted = -1;  /* -1: not asked yet */
 static int amx_wanted = 1;
 
@@ -731,8 +736,8 @@ ALWAYS_INLINE f32x16 exp_nonpos(f32x16 x) {
 }
 
 /* out = silu(gate) * up, gu = [gate | up] per row. sigmoid(g) from e = e^-|g| (never overflows):
- * 1 / (1 + e) for g >= 0, e / (1 + e) below; 16 at a time (a scalar expf per element was 6% of a
- * one-row step on SmolLM2-135M, and grew with every row of a verification). */
+ * 1 / (1 + e) for g >= 0, e / (1 + e) below; 16 at a time, not a scalar expf per element (see
+ * docs/decisions/044-cpu-kernel-tuning.md). */
 void kvw_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gu + r * 2 * inter, *up = gate + inter;
@@ -868,8 +873,6 @@ ALWAYS_INLINE f32x16 load_kv(const void *pages, int64_t idx, int64_t d, int64_t 
  * Chunks and blocks of 16 sit on absolute positions, a row's sums run over its own positions in
  * increasing order and a chunk it does not reach is skipped, so each row gets the same bits alone,
  * in any group and with any number of threads. */
-#define ATT_GROUP 16
-#define ATT_CHUNK 64  /* a multiple of 16; 128 was 3% faster from 230 positions on, 13-20% slower at 128 */
 static int64_t att_group_end(const int32_t *tables, int64_t max_blocks, const int32_t *ctx, int64_t s0, int64_t S) {
     int64_t s1 = s0 + 1;
     while (s1 < S && s1 - s0 < ATT_GROUP && ctx[s1] == ctx[s1 - 1] + 1
@@ -967,10 +970,9 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
             out[1] = hsum(den);
         }
     /* weighted sums of V: the chunk's V rows are dequantized once (into L1), then each query
-     * vector runs over its positions with its sums in registers (summed in memory position by
-     * position, every add waited on a store and a reload: 10-13% more attention time in 6- to
-     * 9-row verification steps). The same operations in the same order for every element, so
-     * the same bits as before and in any group. */
+     * vector runs over its positions with its sums in registers (sums in memory wait on a store
+     * and a reload per add; see docs/decisions/044-cpu-kernel-tuning.md). The same operations in
+     * the same order for every element, so the same bits in any group. */
     f32x16 vb[ATT_CHUNK][nc];
     float vsc[ATT_CHUNK];
     for (int64_t j = jlo; j <= jhi; j++) {
@@ -1185,8 +1187,8 @@ void kvw_draft_head_eval(const kvw_draft_head_t *H, int64_t S, const float *feat
 }
 
 /* The greedy chain, as ModelRunner._propose_head runs it, for S sequences at once without going back
- * to Python between proposals (right after a target step every torch op starts on cold caches,
- * 0.1-0.2 ms apiece). Per proposal, over the sequences still drafting: head_eval; tok =
+ * to Python between proposals (right after a target step every torch op starts on cold caches; see
+ * docs/decisions/044-cpu-kernel-tuning.md). Per proposal, over the sequences still drafting: head_eval; tok =
  * head_vocab[argmax] (the first of tied maxima); conf = softmax's top probability = 1 /
  * sum(exp(logits - max)) over the head vocabulary; the next feature is x. Sequence i drafts until it
  * has k[i] (<= kmax) proposals or the product of its confidences is below stop_below. Writes out_tok /

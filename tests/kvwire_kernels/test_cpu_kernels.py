@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kvwire_kernels import cpu, reference
 from kvwire.kv.pool import RELEASED
+from kvwire.model.model import apply_rope
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=cpu.unavailable_reason or "")
 
@@ -200,7 +201,6 @@ def test_rms_norm_and_silu_mul():
 
 
 def test_rope_split_matches_model():
-    from kvwire.model.model import apply_rope
     g = torch.Generator().manual_seed(2)
     h, hkv, d, n = 9, 3, 64, 4
     qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g)

@@ -1,16 +1,10 @@
 """KV page kernels: the PyTorch reference against first principles, Triton against the reference.
 
-Triton has no CPU backend; TRITON_INTERPRET=1 runs the kernels on CPU tensors. triton.jit reads
-the variable when it decorates a kernel, and ``kvwire_kernels.triton_kv`` may already have been imported
-in this process without it, so this module loads its own interpreted copy of the kernel file
-(the kernels avoid triton's own jit helpers such as tl.sum for the same reason: see there).
-Where a CUDA device is present, the Triton tests also run compiled on it (the ``backend``
-fixture: a second copy of the kernel file, decorated before the variable is set), against the
-reference on CPU; elsewhere those cases skip.
-
-Tolerances: the kernels round with explicit bit arithmetic (see kvwire_kernels/triton_kv.py), so writes
-and dequantization must match the reference byte for byte; attention only differs in float32
-summation order (online softmax) and, compiled, in the GPU's exp, hence rtol = atol = 1e-5.
+TRITON_INTERPRET=1 runs the kernels on CPU tensors; triton.jit reads it when decorating, so this
+module loads its own interpreted copy of the kernel file (and a compiled copy, the ``backend``
+fixture, where a CUDA device is present; elsewhere those cases skip). Writes and dequantization
+must match the reference byte for byte (explicit bit arithmetic); attention differs only in float32
+summation order and the GPU's exp, hence rtol = atol = 1e-5.
 """
 from __future__ import annotations
 
