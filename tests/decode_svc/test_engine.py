@@ -206,7 +206,8 @@ async def test_a_long_prompt_prefills_locally_while_the_engine_is_idle(cfg):
         await asyncio.gather(h.generate(PROMPTS[2], max_tokens=4), h.generate(PROMPTS[1], max_tokens=4))
         assert await h.pools_back_to(64, 128)
     assert used[:3] == [(31, 0, "local"), (31, 0, "local"), (17, 1, "remote")]
-    assert sorted(used[3:]) == [(17, 0, "remote"), (31, 0, "local")]
+    # the second sees the first's prefill in flight, or (on a loaded machine) the first already decoding
+    assert sorted((n, src) for n, _, src in used[3:]) == [(17, "remote"), (31, "local")]
 
 
 async def test_prefill_down_serves_locally_unless_remote_is_forced(cfg):
