@@ -50,14 +50,15 @@ def table(header: list[str], rows: list[list]) -> str:
 
 
 def command_line(argv: list[str] | None = None) -> str | None:
-    """``python -m bench NAME ARGS`` as this process was started (``--out DIR`` dropped: where a copy
-    went is not how it was measured); None when it was not started through ``python -m bench``."""
+    """``python -m bench NAME ARGS`` as this process was started (``--out DIR``, ``--save-results`` and
+    ``--write-docs`` dropped: where copies went is not how it was measured); None when it was not
+    started through ``python -m bench``."""
     argv = sys.argv if argv is None else argv
     if not argv or not argv[0].replace("\\", "/").endswith("bench/__main__.py"):
         return None
     args, skip = [], False
     for a in argv[1:]:
-        if skip or a.startswith("--out="):
+        if skip or a.startswith("--out=") or a in ("--save-results", "--write-docs"):
             skip = False
             continue
         if a == "--out":
