@@ -17,7 +17,7 @@ tokenizer, kv, serve and engine with their defaults (plus whatever ``--<name>-ar
 run writes bench/out/<name>-<model>-<stamp>.json/.md (+ PNG plots); ``--save-results`` also copies
 the JSON to docs/results/<machine-slug>/<name>-<model>.json, from which ``python -m bench report
 --write`` regenerates the README's headline table and docs/benchmarks.md's latest results.
-``--write-docs`` puts a run's markdown into a ``<!-- bench:NAME -->`` block of docs/benchmarks.md.
+``--write-docs`` does both: copies the JSON and regenerates the tables.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import inspect
 import shlex
 import sys
 
-from bench import common
 
 BENCHMARKS = {"serve": "bench.serve", "engine": "bench.engine", "tokenizer": "bench.tokenizer", "kv": "bench.kv",
               "accuracy": "bench.accuracy", "disagg": "bench.disagg", "speculative": "bench.speculative",
@@ -48,12 +47,11 @@ def run(name: str, argv: list[str], write_docs: bool, save_results: bool = False
     else:  # a main() that reads sys.argv itself
         sys.argv = [f"python -m bench {name}", *argv]
         report = mod.main()
-    if write_docs and isinstance(report, dict) and hasattr(mod, "markdown"):
-        common.write_docs(name, mod.markdown(report))
-        print(f"[bench] wrote the {name} results into {common.DOCS}", flush=True)
-    if save_results and isinstance(report, dict) and report.get("files", {}).get("json"):
+    if (save_results or write_docs) and isinstance(report, dict) and report.get("files", {}).get("json"):
         from bench import report as results
-        print(f"[bench] committed result: {results.ingest(report['files']['json'])}", flush=True)
+        print(f"[bench] result for docs/results: {results.ingest(report['files']['json'])}", flush=True)
+        if write_docs:
+            results.main(["--write"])
     return report
 
 

@@ -65,7 +65,10 @@ def ingest(path: Path, command: str | None = None, root: Path = RESULTS) -> Path
     if "date" not in report:
         m = re.search(r"-(\d{4})(\d{2})(\d{2})-\d{6}\.json$", Path(path).name)
         report["date"] = "-".join(m.groups()) if m else None
+    had_machine = "machine" in report
     common.stamp(report)
+    if not had_machine:  # a report saved before common.stamp existed: these are this machine's facts now
+        report["machine"]["load_avg_when"] = "when copied into docs/results (the run recorded none)"
     if command:
         report["command"] = command
     if not report.get("command"):
