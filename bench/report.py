@@ -74,6 +74,10 @@ def ingest(path: Path, command: str | None = None, root: Path = RESULTS) -> Path
     if not report.get("command"):
         raise SystemExit(f"{path}: no command recorded; pass --command")
     report.pop("files", None)  # paths under bench/out/ on the machine that ran it
+    root_prefix = str(common.ROOT) + "/"
+    for k, v in report.items():  # model and draft paths inside the checkout: relative, as committed
+        if isinstance(v, str) and v.startswith(root_prefix):
+            report[k] = v.removeprefix(root_prefix)
     dest = root / machine_slug(report["machine"]) / f"{report['benchmark']}-{report.get('model', 'x')}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(report, indent=2, default=str) + "\n")
