@@ -158,3 +158,15 @@ def test_command_line_is_the_bench_command_without_where_copies_went():
     argv = ["/r/bench/__main__.py", "disagg", "--gen", "32", "--out", "/tmp/x", "--save-results", "--out=/y"]
     assert common.command_line(argv) == "python -m bench disagg --gen 32"
     assert common.command_line(["-c"]) is None
+
+
+def test_an_oversubscribed_run_is_flagged(repo):
+    tmp, readme, bench = repo
+    assert "oversubscribed" not in report.headline(report.load(tmp / "results"))  # load 0.5 on 2 cores
+    eng = tmp / "results" / "amd-epyc-avx512-vnni-bf16" / "engine-m.json"
+    rep = json.loads(eng.read_text())
+    rep["machine"] = {**MACHINE, "load_avg_1m": 7.5}
+    eng.write_text(json.dumps(rep))
+    results = report.load(tmp / "results")
+    assert "oversubscribed during engine (load average up to 7.5 on 2 cores)" in report.headline(results)
+    assert "oversubscribed during engine" in report.latest(results)
