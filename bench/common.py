@@ -69,12 +69,11 @@ def command_line(argv: list[str] | None = None) -> str | None:
 
 
 def stamp(report: dict) -> dict:
-    """Add what a committed result needs and a benchmark may not record itself: the date (UTC), the
-    command and the machine's facts (CPU, ISA, cores, load average now, at the end of the run;
+    """Add what a committed result needs and a benchmark may not record itself: the date (UTC) and
+    the machine's facts (CPU, ISA, cores, load average now, at the end of the run;
     bandwidth only where the benchmark measured it)."""
     from bench import machine  # torch: only once a benchmark has run
     report.setdefault("date", time.strftime("%Y-%m-%d", time.gmtime()))
-    report["command"] = command_line() or report.get("command")  # a module's own may name --out
     if "machine" not in report:
         report["machine"] = {**machine.facts(bandwidth=False), "load_avg_when": "end of run"}
     return report
@@ -82,6 +81,7 @@ def stamp(report: dict) -> dict:
 
 def save(report: dict, md: str, out: Path = OUT, plots=None) -> Path:
     """Write <name>-<stamp>.json/.md (and plots(report, out, stem) PNGs); returns the JSON path."""
+    report["command"] = command_line() or report.get("command")  # a module's own may name --out
     stamp(report)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{report['benchmark']}-{report.get('model', 'x')}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -117,9 +117,9 @@ def engine_rows(rep: dict) -> list[Row]:
                (f"Decode, batch {b_max} x {rep['batch_ctx']}-token contexts (tok/s)", lambda r: _batched(r, b_max)),
                (f"Prefill, {rep['prompt_len']} tokens (tok/s)", lambda r: r.get("prefill_tok_s"))]
     rows = []
-    for label, get in metrics:
+    for i, (label, get) in enumerate(metrics):
         best = _best(peers, get)
-        extra = f", {ours['roofline_pct']:.0f}% of roofline" if "batch 1" in label and "roofline_pct" in ours else ""
+        extra = f", {ours['roofline_pct']:.0f}% of roofline" if i == 0 and "roofline_pct" in ours else ""
         rows.append(Row(f"{label}, {ours['engine'].removeprefix('kvwire ')}", f"{get(ours):.1f}{extra}",
                         f"{get(best):.1f} ({best['engine']}, best peer)" if best else "no peer run",
                         common.ratio(get(ours), get(best)) if best else "-", rep["command"]))

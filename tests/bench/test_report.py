@@ -154,6 +154,14 @@ def test_ingest_copies_a_run_under_its_machine_and_drops_local_paths(tmp_path):
     assert saved["machine"] == MACHINE  # the run's own facts, not this machine's
 
 
+def test_ingest_keeps_the_runs_command_not_the_report_command(tmp_path, monkeypatch):
+    run = tmp_path / "engine-m-20261205-090000.json"
+    run.write_text(json.dumps(engine_report()))
+    monkeypatch.setattr("sys.argv", ["/r/bench/__main__.py", "report", "--add", str(run)])
+    dest = report.ingest(run, None, tmp_path / "results")
+    assert json.loads(dest.read_text())["command"] == ENGINE_CMD
+
+
 def test_command_line_is_the_bench_command_without_where_copies_went():
     argv = ["/r/bench/__main__.py", "disagg", "--gen", "32", "--out", "/tmp/x", "--save-results", "--out=/y"]
     assert common.command_line(argv) == "python -m bench disagg --gen 32"
