@@ -160,7 +160,7 @@ def disagg_rows(rep: dict) -> list[Row]:
         rows.append(Row(f"Time to first token, {r['prompt_tokens']}-token prompt, through the front door (ms)",
                         f"{r['front_door_ttft_ms']:.0f}", f"{p['ttft_ms']:.0f} (in-process `LLM`)",
                         common.ratio(r["front_door_ttft_ms"], p["ttft_ms"]), rep["command"]))
-        rows.append(Row(f"Inter-token latency, served (ms)", f"{s['itl_ms']:.2f}", f"{p['itl_ms']:.2f} (in-process)",
+        rows.append(Row("Inter-token latency, served (ms)", f"{s['itl_ms']:.2f}", f"{p['itl_ms']:.2f} (in-process)",
                         f"{s['itl_ms'] - p['itl_ms']:+.2f} ms", rep["command"]))
     for c in rep.get("concurrent", []):
         rows.append(Row(f"{c['requests']} prompts at once, served (output tok/s)", f"{c['served_tok_s']:.1f}",
@@ -220,7 +220,8 @@ def latest(results: dict[str, list[dict]]) -> str:
     """docs/benchmarks.md's latest results: per machine, per benchmark its module's markdown()."""
     parts = []
     for slug, reps in results.items():
-        parts += [f"### {reps[0]['machine']['cpu']} (`{slug}`)", "", _machine_line(reps) + "." + _load_warning(reps), ""]
+        parts += [f"### {reps[0]['machine']['cpu']} (`{slug}`)", "",
+                  _machine_line(reps) + "." + _load_warning(reps), ""]
         for r in reps:
             mod = importlib.import_module(MODULES[r["benchmark"]])
             parts += [f"#### {r['benchmark']}, {r.get('model', '-')} ({r.get('date') or 'undated'})", "",
