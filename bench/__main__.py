@@ -1,6 +1,8 @@
 """One command line for every benchmark.
 
     python -m bench <name> [options]          # python -m bench <name> --help for a benchmark's options
+    python -m bench <name> [options] --save-results   # also copy the run's JSON to docs/results/<machine>/
+    python -m bench report [--write]          # README / docs/benchmarks.md tables from docs/results/ (bench/report.py)
     python -m bench all [--write-docs] [--serve-args "..."] [--engine-args "..."] ...
 
 Names: serve (load on the front door), engine (ours against transformers and llama.cpp),
@@ -13,8 +15,10 @@ door against vLLM's CPU build, both driven by `vllm bench serve`; vLLM in its ow
 Triton KV kernels against the PyTorch reference on a CUDA device), memory (the services' resident
 memory against weights + KV pool). ``all`` runs
 tokenizer, kv, serve and engine with their defaults (plus whatever ``--<name>-args`` adds). Every
-run writes bench/out/<name>-<model>-<stamp>.json/.md (+ PNG plots); ``--write-docs`` also puts the
-markdown into docs/benchmarks.md's results section.
+run writes bench/out/<name>-<model>-<stamp>.json/.md (+ PNG plots); ``--save-results`` also copies
+the JSON to docs/results/<machine-slug>/<name>-<model>.json, from which ``python -m bench report
+--write`` regenerates the README's headline table and docs/benchmarks.md's latest results.
+``--write-docs`` does both: copies the JSON and regenerates the tables.
 """
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ import inspect
 import shlex
 import sys
 
-from bench import common
 
 BENCHMARKS = {"serve": "bench.serve", "engine": "bench.engine", "tokenizer": "bench.tokenizer", "kv": "bench.kv",
               "accuracy": "bench.accuracy", "disagg": "bench.disagg", "speculative": "bench.speculative",
@@ -38,30 +41,36 @@ def available() -> list[str]:
     return [n for n, m in BENCHMARKS.items() if importlib.util.find_spec(m) is not None]
 
 
-def run(name: str, argv: list[str], write_docs: bool) -> dict | None:
+def run(name: str, argv: list[str], write_docs: bool, save_results: bool = False) -> dict | None:
     mod = importlib.import_module(BENCHMARKS[name])
     if inspect.signature(mod.main).parameters:
         report = mod.main(argv)
     else:  # a main() that reads sys.argv itself
         sys.argv = [f"python -m bench {name}", *argv]
         report = mod.main()
-    if write_docs and isinstance(report, dict) and hasattr(mod, "markdown"):
-        common.write_docs(name, mod.markdown(report))
-        print(f"[bench] wrote the {name} results into {common.DOCS}", flush=True)
+    if (save_results or write_docs) and isinstance(report, dict) and report.get("files", {}).get("json"):
+        from bench import report as results
+        print(f"[bench] result for docs/results: {results.ingest(report['files']['json'])}", flush=True)
+        if write_docs:
+            results.main(["--write"])
     return report
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        from bench import report
+        report.main(argv[1:])
+        return
     names = available()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*names, "all"):
-        print(__doc__ + "\navailable here: " + ", ".join(names + ["all"]))
+        print(__doc__ + "\navailable here: " + ", ".join(names + ["all", "report"]))
         sys.exit(0 if not argv or argv[0] in ("-h", "--help") else 2)
     name, rest = argv[0], argv[1:]
-    write_docs = "--write-docs" in rest
-    rest = [a for a in rest if a != "--write-docs"]
+    write_docs, save_results = "--write-docs" in rest, "--save-results" in rest
+    rest = [a for a in rest if a not in ("--write-docs", "--save-results")]
     if name != "all":
-        run(name, rest, write_docs)
+        run(name, rest, write_docs, save_results)
         return
     ap = argparse.ArgumentParser(prog="python -m bench all")
     for n in ALL:
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in ALL:
         print(f"\n[bench] ===== {n} =====", flush=True)
         try:
-            run(n, shlex.split(getattr(args, f"{n}_args")), write_docs)
+            run(n, shlex.split(getattr(args, f"{n}_args")), write_docs, save_results)
         except Exception as e:  # one broken benchmark must not lose the others' numbers
             print(f"[bench] {n} failed: {e!r}", flush=True)
             failed.append(n)

@@ -1,14 +1,17 @@
 """What every benchmark shares: output files, ratio formatting, summary statistics, docs update.
 
 Each benchmark module has ``main(argv) -> report`` and ``markdown(report) -> str``; ``save`` writes
-``bench/out/<name>-<stamp>.{json,md}`` (plus PNG plots) and ``write_docs`` replaces that
-benchmark's block in docs/benchmarks.md's results section.
+``bench/out/<name>-<stamp>.{json,md}`` (plus PNG plots), stamping every report with its date, the
+command that ran it and the machine's facts, so that ``python -m bench report`` (bench/report.py)
+can build the committed results tables from the JSON alone.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -46,8 +49,40 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def command_line(argv: list[str] | None = None) -> str | None:
+    """``python -m bench NAME ARGS`` as this process was started (``--out DIR``, ``--save-results`` and
+    ``--write-docs`` dropped: where copies went is not how it was measured); None when it was not
+    started through ``python -m bench``."""
+    argv = sys.argv if argv is None else argv
+    if not argv or not argv[0].replace("\\", "/").endswith("bench/__main__.py"):
+        return None
+    args, skip = [], False
+    for a in argv[1:]:
+        if skip or a.startswith("--out=") or a in ("--save-results", "--write-docs"):
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        args.append(a)
+    return "python -m bench " + shlex.join(args)
+
+
+def stamp(report: dict) -> dict:
+    """Add what a committed result needs and a benchmark may not record itself: the date (UTC) and
+    the machine's facts (CPU, ISA, cores, load average now, at the end of the run;
+    bandwidth only where the benchmark measured it)."""
+    from bench import machine  # torch: only once a benchmark has run
+    report.setdefault("date", time.strftime("%Y-%m-%d", time.gmtime()))
+    if "machine" not in report:
+        report["machine"] = {**machine.facts(bandwidth=False), "load_avg_when": "end of run"}
+    return report
+
+
 def save(report: dict, md: str, out: Path = OUT, plots=None) -> Path:
     """Write <name>-<stamp>.json/.md (and plots(report, out, stem) PNGs); returns the JSON path."""
+    report["command"] = command_line() or report.get("command")  # a module's own may name --out
+    stamp(report)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{report['benchmark']}-{report.get('model', 'x')}-{time.strftime('%Y%m%d-%H%M%S')}"
     report["files"] = {"json": str(out / f"{stem}.json"), "md": str(out / f"{stem}.md")}
