@@ -5,12 +5,12 @@ Flags: docs/configuration.md (declared in kvwire/args/sections.py); the assembly
 from __future__ import annotations
 
 from decode_svc.app import serve
-from kvwire.args import EngineArgs
+from kvwire.args import parse_args
 from kvwire_serving import cli
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = EngineArgs.parse("decode_svc", argv, description=__doc__.split("\n\n")[0])
+    args = parse_args("decode_svc", argv, description=__doc__.split("\n\n")[0])
     cli.setup_logging(args.serving.log_level)
     cli.run_service("decode_svc", serve(args))
 

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 from kvwire.config import DType, ModelConfig, RuntimeConfig, WeightsMode
 from kvwire.fingerprint import Fingerprint, fingerprint
+from kvwire.kv.paged import PagedKVCache
 from kvwire.kv.spec import KVPageSpec
 from kvwire.malloc import keep_freed_memory
+from kvwire.model.fast_decode import FastDecode
 from kvwire.model.loader import load_model
 from kvwire.model.model import Transformer
 from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer
@@ -30,7 +32,6 @@ class Runtime:
     fingerprint: Fingerprint
 
     def new_cache(self, num_pages: int | None = None):
-        from kvwire.kv.paged import PagedKVCache
         return PagedKVCache(self.model_config, self.spec, num_pages or self.cfg.num_pages, device=self.cfg.device)
 
 
@@ -44,7 +45,6 @@ def load_runtime(cfg: RuntimeConfig) -> Runtime:
     loaded = load_model(cfg.model_dir, dtype=dtype, device=cfg.device, quantize=quantize)
     model = loaded.model
     if cfg.device == "cpu":
-        from kvwire.model.fast_decode import FastDecode
         model.step_fn = FastDecode.build(model)  # None: no compiler or an unsupported layer/shape
     spec = KVPageSpec.for_model(loaded.config, cfg.block_size, cfg.kv_dtype)
     fp = fingerprint(cfg.model_dir, loaded.config, loaded.weights_sha256, weights.value, dtype.value)

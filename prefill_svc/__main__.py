@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from kvwire import metrics
-from kvwire.args import EngineArgs
+from kvwire.args import EngineArgs, parse_args
 from kvwire.model import gguf
 from kvwire.runtime import load_runtime
 from kvwire_serving import cli, security
@@ -50,7 +50,7 @@ async def serve(args: EngineArgs) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = EngineArgs.parse("prefill_svc", argv, description=__doc__.split("\n\n")[0])
+    args = parse_args("prefill_svc", argv, description=__doc__.split("\n\n")[0])
     cli.setup_logging(args.serving.log_level)
     cli.run_service("prefill_svc", serve(args))
 

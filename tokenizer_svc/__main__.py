@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from kvwire.args import EngineArgs
+from kvwire.args import parse_args
 from kvwire_serving.cli import run_service
 from kvwire_serving.telemetry import setup_tracing
 from tokenizer_svc.app import serve, service_config
@@ -16,7 +16,7 @@ DESCRIPTION = "Tracing is configured by the standard OTEL_* variables (see kvwir
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = EngineArgs.parse("tokenizer_svc", argv, description=DESCRIPTION)
+    args = parse_args("tokenizer_svc", argv, description=DESCRIPTION)
     logging.basicConfig(level=args.serving.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = service_config(args)
     telemetry = setup_tracing("kvwire-tokenizer")

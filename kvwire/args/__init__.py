@@ -15,12 +15,12 @@ the command line win. ``python -m kvwire.args --markdown`` writes docs/configura
 Torch-free: the tokenizer service imports it.
 """
 from kvwire.args.engine_args import SECTIONS, SERVICES, EngineArgs, ServiceSpec, section_dests, service_flags
-from kvwire.args.parser import apply_config_file, make_parser
+from kvwire.args.parser import apply_config_file, make_parser, parse_args
 from kvwire.args.doc import markdown
 from kvwire.args.sections import (DEFAULT_DRAIN_DELAY_S, CacheArgs, DecodeRouting, ComputeArgs, KVSourceArgs, ModelArgs, PeerArgs,
                                   SchedulerArgs, SecurityArgs, ServingArgs, SpeculativeArgs, TokenizerArgs, arg)
 
-__all__ = ["EngineArgs", "ServiceSpec", "SERVICES", "SECTIONS", "section_dests", "service_flags", "make_parser",
+__all__ = ["EngineArgs", "ServiceSpec", "SERVICES", "SECTIONS", "section_dests", "service_flags", "make_parser", "parse_args",
            "apply_config_file", "markdown", "arg", "DEFAULT_DRAIN_DELAY_S", "ModelArgs", "CacheArgs", "ComputeArgs",
            "SchedulerArgs", "SpeculativeArgs", "KVSourceArgs", "ServingArgs", "SecurityArgs", "PeerArgs",
            "TokenizerArgs", "DecodeRouting"]

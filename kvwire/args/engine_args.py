@@ -57,20 +57,6 @@ class EngineArgs:
                     kwargs.setdefault(dest, kwargs.pop(alias))
         return EngineArgs.from_values({"model_dir": model, **kwargs}, "llm")
 
-    @staticmethod
-    def parse(service: str, argv: Sequence[str] | None = None, description: str | None = None) -> "EngineArgs":
-        """Parse a service's command line (and its --config file); errors exit as argparse's do."""
-        from kvwire.args.parser import apply_config_file, make_parser
-
-        ap = make_parser(service, description)
-        apply_config_file(ap, argv)
-        ns = ap.parse_args(argv)
-        values = {k: v for k, v in vars(ns).items() if k != "config"}
-        try:
-            return EngineArgs.from_values(values, service)
-        except ValueError as e:
-            ap.error(str(e))
-
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(EngineArgs)}  # name -> class
 

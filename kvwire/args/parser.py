@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwire import envs
-from kvwire.args.engine_args import GROUP_TITLES, SERVICES, service_flags
+from kvwire.args.engine_args import GROUP_TITLES, SERVICES, EngineArgs, service_flags
 from kvwire.args.sections import PeerArgs, base_type
 ENUMS = enum.Enum  # every enum-typed field is a flag with choices
 
@@ -107,3 +107,13 @@ def _config_value(ap: argparse.ArgumentParser, path: Path, key: str, action: arg
     return value
 
 
+def parse_args(service: str, argv: Sequence[str] | None = None, description: str | None = None) -> EngineArgs:
+    """Parse a service's command line (and its --config file); errors exit as argparse's do."""
+    ap = make_parser(service, description)
+    apply_config_file(ap, argv)
+    ns = ap.parse_args(argv)
+    values = {k: v for k, v in vars(ns).items() if k != "config"}
+    try:
+        return EngineArgs.from_values(values, service)
+    except ValueError as e:
+        ap.error(str(e))

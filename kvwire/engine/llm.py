@@ -22,6 +22,7 @@ from kvwire.engine.build import build_engine
 from kvwire.engine.kv_source import LocalPrefill
 from kvwire.engine.request import Completion, RequestOutput
 from kvwire.sampling_params import SamplingParams
+from kvwire.tokenizer import ModelTokenizer
 
 Prompt = str | Sequence[int]
 
@@ -58,7 +59,6 @@ class LLM:
     @staticmethod
     def _tokenizer(model_dir: Path):
         try:
-            from kvwire.tokenizer import ModelTokenizer
             return ModelTokenizer(model_dir)
         except Exception:  # noqa: BLE001 - token ids still work without one
             return None

@@ -30,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwire.files import LoadError
 from kvwire.model.linear import Linear
 from kvwire.model.model import RMSNorm
+from kvwire.model.quant import quantize_model
 
 CONFIG_FILE = "draft_head.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -137,8 +139,6 @@ def load_for_target(path: str | Path, target, weights) -> DraftHead:
     """The head in ``path`` for the loaded ``target`` (a ``kvwire.runtime.Runtime``), its layers in
     ``weights`` mode (``kvwire.config.QuantMode``; int8 is the fast one). A head distilled from other
     weights is a LoadError naming both hashes: its features would not be the target's."""
-    from kvwire.files import LoadError
-    from kvwire.model.quant import quantize_model
     try:
         head = load_draft_head(path, target.model.embed)
     except (OSError, ValueError, TypeError, KeyError) as e:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvwire.args import sections as kargs
-from kvwire.args import EngineArgs, make_parser, markdown, service_flags
+from kvwire.args import EngineArgs, make_parser, markdown, parse_args, service_flags
 from kvwire.config import KVDtype, WeightsMode
 from kvwire.sampling_params import SpeculativeMode
 
@@ -23,7 +23,7 @@ def flags(service: str) -> set[str]:
 def test_each_service_takes_its_sections_with_its_own_defaults():
     assert len(service_flags("decode_svc")) == 47 and len(service_flags("prefill_svc")) == 22
     assert len(service_flags("tokenizer_svc")) == 28  # its 25, --decode-routing(-load-factor) and the shared --log-level
-    d, p, t = (EngineArgs.parse(s, []) for s in ("decode_svc", "prefill_svc", "tokenizer_svc"))
+    d, p, t = (parse_args(s, []) for s in ("decode_svc", "prefill_svc", "tokenizer_svc"))
     assert (d.serving.listen, p.serving.listen, t.serving.listen) == ("127.0.0.1:50052", "127.0.0.1:50053",
                                                                       "127.0.0.1:50051")
     assert (d.cache.num_pages, p.cache.num_pages) == (2048, 1024)
@@ -35,7 +35,7 @@ def test_each_service_takes_its_sections_with_its_own_defaults():
 
 
 def test_flags_parse_into_typed_sections():
-    a = EngineArgs.parse("decode_svc", ["--weights", "bf16", "--speculative", "ngram", "--num-pages", "7",
+    a = parse_args("decode_svc", ["--weights", "bf16", "--speculative", "ngram", "--num-pages", "7",
                                         "--no-readiness-follows-prefill", "--prefill-tls-ca", "ca.pem",
                                         "--draft-weights", "none", "--threads", "3", "--no-reflection"])
     assert a.model.weights is WeightsMode.BF16 and a.speculative.mode is SpeculativeMode.NGRAM
@@ -66,7 +66,7 @@ def test_flags_used_by_the_manifests_tools_and_benchmarks_exist():
 ])
 def test_range_checks_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        EngineArgs.parse("decode_svc", argv)
+        parse_args("decode_svc", argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -96,11 +96,11 @@ def test_variables_are_the_security_flags_defaults(monkeypatch):
     monkeypatch.setenv("KVWIRE_NO_REFLECTION", "yes")
     monkeypatch.setenv("KVWIRE_PREFILL_TOKEN_FILE", "/t")
     monkeypatch.setenv("KVWIRE_TLS_CERT", "/c")
-    a = EngineArgs.parse("decode_svc", ["--tls-cert", "/flag"])
+    a = parse_args("decode_svc", ["--tls-cert", "/flag"])
     assert a.serving.drain_delay_s == 1.5 and a.serving.no_reflection and a.peer.token_file == "/t"
     assert a.security.tls_cert == "/flag"  # the flag wins
     monkeypatch.delenv("KVWIRE_NO_REFLECTION")
-    assert not EngineArgs.parse("decode_svc", []).serving.no_reflection
+    assert not parse_args("decode_svc", []).serving.no_reflection
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -112,11 +112,11 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     cfg = write(tmp_path, 'num-pages = 99\nweights = "bf16"\nprefix_caching = true\n'
                           '[speculative]\nspeculative = "ngram"\nnum-speculative-tokens = 6\n'
                           '[serving]\ngrace-s = 3\n')
-    a = EngineArgs.parse("decode_svc", ["--config", cfg, "--weights", "fp8"])
+    a = parse_args("decode_svc", ["--config", cfg, "--weights", "fp8"])
     assert a.cache.num_pages == 99 and a.cache.prefix_caching and a.model.weights is WeightsMode.FP8
     assert a.speculative.mode is SpeculativeMode.NGRAM and a.speculative.num_speculative_tokens == 6
     assert a.serving.grace_s == 3.0
-    assert EngineArgs.parse("decode_svc", ["--config", cfg, "--no-prefix-caching"]).cache.prefix_caching is False
+    assert parse_args("decode_svc", ["--config", cfg, "--no-prefix-caching"]).cache.prefix_caching is False
 
 
 @pytest.mark.parametrize("text, message", [
@@ -130,13 +130,13 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
 ])
 def test_config_file_errors_name_the_key(tmp_path, text, message, capsys):
     with pytest.raises(SystemExit):
-        EngineArgs.parse("prefill_svc", ["--config", write(tmp_path, text)])
+        parse_args("prefill_svc", ["--config", write(tmp_path, text)])
     assert message in capsys.readouterr().err
 
 
 def test_config_file_values_are_range_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        EngineArgs.parse("decode_svc", ["--config", write(tmp_path, "ngram-min = 20\n")])
+        parse_args("decode_svc", ["--config", write(tmp_path, "ngram-min = 20\n")])
     assert "--ngram-min and --ngram-max" in capsys.readouterr().err
 
 
