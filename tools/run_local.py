@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvwire.args import DecodeRouting
 from kvwire.config import DEFAULT_MODEL_DIR
 from tokenizer_svc.client import stream
 from protos.kvwire.v1 import kvwire_pb2 as pb
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-replicas", type=int, default=1, help="prefill_svc processes (decode balances over them)")
     ap.add_argument("--decode-replicas", type=int, default=1, help="decode_svc processes (the front door balances "
                     "over them)")
-    ap.add_argument("--decode-routing", choices=["round_robin", "prefix"], default="round_robin",
+    ap.add_argument("--decode-routing", choices=[m.value for m in DecodeRouting],
+                    default=DecodeRouting.ROUND_ROBIN.value,
                     help="how the front door picks a decode replica (tokenizer_svc --decode-routing)")
     args = ap.parse_args(argv)
     if args.prefill_replicas < 1 or args.decode_replicas < 1:

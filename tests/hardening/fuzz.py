@@ -8,6 +8,7 @@ without losing the extremes.
 from __future__ import annotations
 
 from google.protobuf.descriptor import FieldDescriptor as F
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from protos.kvwire.v1 import kvwire_pb2 as pb
@@ -112,3 +113,10 @@ def _as_float32(v: float) -> float:
         return struct.unpack("f", struct.pack("f", v))[0]
     except OverflowError:
         return float("inf") if v > 0 else float("-inf")
+
+
+def fuzz(max_examples: int, **kw) -> settings:
+    """Reproducible settings: derandomized, no example database, no deadline."""
+    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck), print_blob=True, **kw)
+

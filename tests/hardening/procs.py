@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +58,21 @@ class Service:
             self.proc.kill()
             return self.proc.wait()
 
+
+
+@contextmanager
+def serving(services: Sequence[Service]) -> Iterator[None]:
+    """Start ``services`` in order, wait until each is SERVING; at exit stop them in reverse and
+    check that each drained and exited 0."""
+    try:
+        for s in services:
+            s.start()
+        for s in services:
+            s.wait_serving()
+        yield
+    finally:
+        codes = [s.stop() for s in reversed(services)]
+    assert codes == [0] * len(services)
 
 def rss_mb(pid: int) -> float:
     """Resident set size of ``pid`` in MiB (Linux /proc)."""

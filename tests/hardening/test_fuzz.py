@@ -9,15 +9,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import Phase, given
 from hypothesis import strategies as st
 
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from tests.hardening.fuzz import message, poison_float
-from tools.stack import Stack
+from tests.hardening.fuzz import fuzz, message, poison_float
 
 NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 BATCH = 8
@@ -31,24 +29,7 @@ def batch(cls, poison: bool = False):
 def all_at_once(batch_name: str, calls) -> None:
     for f in [pool.submit(outcome, batch_name, c) for c in calls]:
         f.result()  # re-raises a failed case's assertion
-def fuzz(max_examples: int, **kw) -> settings:
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=True, **kw)
 seen: dict[str, dict[str, int]] = {}
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with Stack(decode_pages=256, prefill_pages=256, log_dir=tmp_path_factory.mktemp("fuzz-logs")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def channels(stack):
-    chans = {n: grpc.insecure_channel(stack.addr(n)) for n in ("tokenizer_svc", "decode_svc", "prefill_svc")}
-    yield chans
-    for ch in chans.values():
-        ch.close()
 
 
 def outcome(batch: str, call) -> None:

@@ -13,9 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protos.kvwire.v1 import kvwire_pb2 as pb
-from tests.hardening.fuzz import message
-from tests.hardening.test_fuzz import fuzz
-from tools.stack import Stack
+from tests.hardening.fuzz import fuzz, message
 
 # Every code the API documents for a request that is wrong, too big or too slow; UNKNOWN and
 # INTERNAL never (a server fault), UNAVAILABLE never (every peer is up).
@@ -33,20 +31,6 @@ RPCS = [("tokenizer_svc", "kvwire.v1.TokenizerService", "GenerateText", pb.Gener
         ("prefill_svc", "kvwire.v1.PrefillService", "Prefill", pb.PrefillRequest, True),
         ("prefill_svc", "kvwire.v1.PrefillService", "GetPrefillPoolStats", pb.GetPrefillPoolStatsRequest, False)]
 EXAMPLES = {"GenerateText": 400, "GenerateTokens": 400, "Prefill": 400}  # the rest: 250 each; 2,200 in all
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with Stack(decode_pages=256, prefill_pages=256, log_dir=tmp_path_factory.mktemp("fuzz-bytes-logs")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def channels(stack):
-    chans = {n: grpc.insecure_channel(stack.addr(n)) for n in ("tokenizer_svc", "decode_svc", "prefill_svc")}
-    yield chans
-    for ch in chans.values():
-        ch.close()
 
 
 def call(channels, service: str, full: str, method: str, streaming: bool, data: bytes):

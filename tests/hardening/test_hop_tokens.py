@@ -10,7 +10,7 @@ import pytest
 from kvwire.config import DEFAULT_MODEL_DIR
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
-from tests.hardening.procs import Service
+from tests.hardening.procs import Service, serving
 
 DECODE_TOKEN, PREFILL_TOKEN = "decode-hop-token", "prefill-hop-token"
 
@@ -26,16 +26,8 @@ def stack(tmp_path_factory):
                                     "--prefill-token-file", str(d / "prefill")], d / "decode.log")
     tokenizer = Service("tokenizer_svc", ["--model-dir", str(DEFAULT_MODEL_DIR), "--decode-addr", decode.addr,
                                           "--decode-token-file", str(d / "decode")], d / "tokenizer.log")
-    services = [prefill, decode, tokenizer]
-    try:
-        for s in services:
-            s.start()
-        for s in services:
-            s.wait_serving()
+    with serving([prefill, decode, tokenizer]):
         yield {"prefill": prefill, "decode": decode, "tokenizer": tokenizer}
-    finally:
-        codes = [s.stop() for s in reversed(services)]
-    assert codes == [0, 0, 0]
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

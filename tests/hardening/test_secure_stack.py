@@ -15,7 +15,7 @@ from kvwire_serving.server import build_channel
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from protos.kvwire.v1 import kvwire_pb2_grpc as pbg
 from tests.hardening.certs import CA
-from tests.hardening.procs import Service
+from tests.hardening.procs import Service, serving
 from tools.stack import REPO
 
 TOKEN = "front-door-token"
@@ -53,16 +53,8 @@ def secure(tmp_path_factory):
                                           "--decode-tls-ca", str(ca.pem), "--decode-tls-cert",
                                           str(cli["tokenizer"].cert), "--decode-tls-key", str(cli["tokenizer"].key)],
                         d / "tokenizer.log")
-    services = [prefill, decode, tokenizer]
-    try:
-        for s in services:
-            s.start()
-        for s in services:
-            s.wait_serving()
+    with serving([prefill, decode, tokenizer]):
         yield {"ca": ca, "rogue": rogue, "cli": cli, "prefill": prefill, "decode": decode, "tokenizer": tokenizer}
-    finally:
-        codes = [s.stop() for s in reversed(services)]
-    assert codes == [0, 0, 0]
 
 
 async def _generate(addr: str, security: ClientSecurity | None, metadata=None) -> tuple[grpc.StatusCode, list[int]]:
