@@ -22,6 +22,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench import common
 
@@ -74,14 +75,25 @@ def ingest(path: Path, command: str | None = None, root: Path = RESULTS) -> Path
     if not report.get("command"):
         raise SystemExit(f"{path}: no command recorded; pass --command")
     report.pop("files", None)  # paths under bench/out/ on the machine that ran it
-    root_prefix = str(common.ROOT) + "/"
-    for k, v in report.items():  # model and draft paths inside the checkout: relative, as committed
-        if isinstance(v, str) and v.startswith(root_prefix):
-            report[k] = v.removeprefix(root_prefix)
+    report = _without_local_paths(report, str(common.ROOT) + "/")
     dest = root / machine_slug(report["machine"]) / f"{report['benchmark']}-{report.get('model', 'x')}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return dest
+
+
+def _without_local_paths(v: Any, root_prefix: str) -> Any:
+    """Every path string, however deeply nested: inside the checkout relative to it (as committed),
+    elsewhere its file name only (where it lay is this machine's business)."""
+    if isinstance(v, dict):
+        return {k: _without_local_paths(x, root_prefix) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_without_local_paths(x, root_prefix) for x in v]
+    if isinstance(v, str) and v.startswith(root_prefix):
+        return v.removeprefix(root_prefix)
+    if isinstance(v, str) and v.startswith("/") and Path(v).exists():
+        return Path(v).name
+    return v
 
 
 def load(root: Path = RESULTS) -> dict[str, list[dict]]:

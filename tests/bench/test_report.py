@@ -83,6 +83,19 @@ def test_the_committed_readme_and_benchmarks_match_the_committed_json():
     assert report.stale(results) == [], "run: python -m bench report --write"
 
 
+def test_no_committed_result_holds_a_path_of_the_machine_that_ran_it():
+    def strings(v):
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            return [s for x in v for s in strings(x)]
+        return [v] if isinstance(v, str) else []
+
+    for f in sorted(report.RESULTS.glob("*/*.json")):
+        local = [s for s in strings(json.loads(f.read_text())) if s.startswith(("/work/", "/home/", "/root/", "/tmp/"))]
+        assert not local, f"{f}: {local}"
+
+
 def test_machine_slug_names_cpu_and_the_instruction_sets_the_kernels_use():
     assert report.machine_slug(MACHINE) == "amd-epyc-avx512-vnni-bf16"
     xeon = {"cpu": "Intel(R) Xeon(R) Processor", "isa": ["avx2", "avx512f", "avx512_vnni", "avx512_bf16",
@@ -144,6 +157,8 @@ def test_replace_block_needs_one_pair_of_markers():
 def test_ingest_copies_a_run_under_its_machine_and_drops_local_paths(tmp_path):
     run = tmp_path / "engine-m-20261205-090000.json"
     rep = {k: v for k, v in engine_report().items() if k not in ("date", "command")}
+    inside = str(common.ROOT / "bench" / ".models" / "gguf" / "m-q8_0.gguf")
+    rep["results"] = [{"gguf": inside}, {"gguf": str(run), "endpoint": "/v1/completions"}]  # nested paths too
     run.write_text(json.dumps({**rep, "files": {"json": str(run)}}))
     with pytest.raises(SystemExit):  # no command recorded, none given
         report.ingest(run, None, tmp_path / "results")
@@ -152,6 +167,8 @@ def test_ingest_copies_a_run_under_its_machine_and_drops_local_paths(tmp_path):
     saved = json.loads(dest.read_text())
     assert saved["date"] == "2026-12-05" and saved["command"] == ENGINE_CMD and "files" not in saved
     assert saved["machine"] == MACHINE  # the run's own facts, not this machine's
+    assert saved["results"] == [{"gguf": "bench/.models/gguf/m-q8_0.gguf"},
+                                {"gguf": run.name, "endpoint": "/v1/completions"}]
 
 
 def test_ingest_keeps_the_runs_command_not_the_report_command(tmp_path, monkeypatch):
