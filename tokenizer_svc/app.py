@@ -34,10 +34,13 @@ def service_config(args: EngineArgs) -> TokenizerServiceConfig:
 
 async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
     server = GrpcServer(max_message_bytes=cfg.max_message_bytes, security=cfg.security, reflection=cfg.reflection)
-    channel = build_channel(cfg.decode_addr, security=cfg.decode_security)  # the default (8 MiB) limit
-    replica = replica_security(cfg.decode_addr, cfg.decode_security)
-    router = PrefixRouter(cfg.decode_addr, lambda addr: build_channel(addr, security=replica),
-                          cfg.routing) if cfg.routing.policy == "prefix" else None
+    # round_robin: one channel over --decode-addr's addresses; prefix: the router's channel per replica
+    channel, router = None, None
+    if cfg.routing.policy == "prefix":
+        replica = replica_security(cfg.decode_addr, cfg.decode_security)
+        router = PrefixRouter(cfg.decode_addr, lambda addr: build_channel(addr, security=replica), cfg.routing)
+    else:
+        channel = build_channel(cfg.decode_addr, security=cfg.decode_security)  # the default (8 MiB) limit
     tokenizer = ModelTokenizer(cfg.model_dir)
     limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens, cfg.tokenize_workers)
     servicer = TokenizerServicer(tokenizer, router or pb_grpc.DecodeServiceStub(channel), cfg.model_name, limits)
@@ -62,7 +65,8 @@ async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
             await http.stop()
         if router is not None:
             await router.close()
-        await channel.close()
+        if channel is not None:
+            await channel.close()
         servicer.close()
 
 
