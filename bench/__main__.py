@@ -7,13 +7,19 @@
 
 Names: serve (load on the front door), engine (ours against transformers and llama.cpp),
 tokenizer (Tokenize RPC and streaming detokenize), kv (KV bytes and overlap on the wire),
-accuracy (quantization cost), disagg (served against in-process, batch 1), and speculative when
+accuracy (quantization cost), int4 (4-bit group size, format, RTN against AWQ), disagg (served against in-process, batch 1), and speculative when
 bench/speculative.py is present, trace (one request's spans as a waterfall PNG), and prefix
 (prefix caching across the split: TTFT hit vs miss, KV bytes on the wire), prefix-routing (prefix
-caching over two decode replicas: round_robin against --decode-routing prefix), serve-vs-vllm (our OpenAI
-door against vLLM's CPU build, both driven by `vllm bench serve`; vLLM in its own venv), kernels (the
-Triton KV kernels against the PyTorch reference on a CUDA device), memory (the services' resident
-memory against weights + KV pool). ``all`` runs
+caching over two decode replicas: round_robin against --decode-routing prefix), serve-vs-vllm or serve-peers (our OpenAI
+door against vLLM's CPU build and llama.cpp's llama-server at their best configurations, all driven by
+`vllm bench serve`, goals per level; vLLM in its own venv), kernels (the
+Triton KV kernels against the PyTorch reference on a CUDA device), gguf-kernels (GGUF block matmuls,
+Triton W4A16 on a CUDA device or the C kernels on the CPU, against a bf16 matmul), memory (the services' resident
+memory against weights + KV pool), capacity (sequences held and output tok/s served at equal KV
+memory: bf16 against FP8 pages, bf16 against int8 weights), choices (one request with n choices
+against n requests: time and KV pages), lm-eval (lm-evaluation-harness through the OpenAI door
+against the same harness on transformers, on a local multiple-choice task), structured (grammar engines and the
+step time with a constrained request in the batch). ``all`` runs
 tokenizer, kv, serve and engine with their defaults (plus whatever ``--<name>-args`` adds). Every
 run writes bench/out/<name>-<model>-<stamp>.json/.md (+ PNG plots); ``--save-results`` also copies
 the JSON to docs/results/<machine-slug>/<name>-<model>.json, from which ``python -m bench report
@@ -31,9 +37,12 @@ import sys
 
 
 BENCHMARKS = {"serve": "bench.serve", "engine": "bench.engine", "tokenizer": "bench.tokenizer", "kv": "bench.kv",
-              "accuracy": "bench.accuracy", "disagg": "bench.disagg", "speculative": "bench.speculative",
+              "accuracy": "bench.accuracy", "int4": "bench.int4", "disagg": "bench.disagg", "speculative": "bench.speculative",
               "trace": "bench.trace", "prefix": "bench.prefix", "prefix-routing": "bench.prefix_routing", "serve-vs-vllm": "bench.serve_peers",
-              "kernels": "bench.kernels", "memory": "bench.memory"}
+              "serve-peers": "bench.serve_peers",
+              "kernels": "bench.kernels", "gguf-kernels": "bench.gguf_kernels", "memory": "bench.memory",
+              "capacity": "bench.capacity", "choices": "bench.choices", "lm-eval": "bench.lmeval",
+              "structured": "bench.structured"}
 ALL = ("tokenizer", "kv", "serve", "engine")
 
 

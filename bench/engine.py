@@ -2,7 +2,7 @@
 and token ids: prefill, batch-1 and batched decode tokens/s, peak memory.
 
     python -m bench engine --model smollm2-135m [--weights none,bf16,int8,fp8] [--kv fp8_e4m3,bf16] \
-        [--peers transformers-fp32,transformers-bf16,llama.cpp-f16,llama.cpp-q8_0] \
+        [--peers transformers-fp32,transformers-bf16,llama.cpp-f16,llama.cpp-q8_0,llama.cpp-file] \
         [--prompt-len 512] [--decode-tokens 32] [--batches 1,4,16] [--batch-ctx 128]
 
 Method and details: bench/README.md, section ``bench/engine.py``.
@@ -22,7 +22,10 @@ from bench.engine_runs import run_spec
 from kvwire.model.registry import resolve_model_path
 
 PEERS = {"transformers-fp32": ("transformers", "none"), "transformers-bf16": ("transformers", "bf16"),
-         "llama.cpp-f16": ("llama.cpp", "f16"), "llama.cpp-q8_0": ("llama.cpp", "q8_0")}
+         "llama.cpp-f16": ("llama.cpp", "f16"), "llama.cpp-q8_0": ("llama.cpp", "q8_0"),
+         "llama.cpp-q4_k_m": ("llama.cpp", "q4_k_m"),
+         "llama.cpp-file": ("llama.cpp", "file")}  # file: a GGUF --model-dir as shipped (its own types)
+DEFAULT_PEERS = ("transformers-fp32", "transformers-bf16", "llama.cpp-f16", "llama.cpp-q8_0")
 
 
 def run_one(spec: dict, timeout_s: float, in_process: bool = False) -> dict:
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv", default="fp8_e4m3,bf16")
     ap.add_argument("--eager", default="", help="weight modes to run again with the fused CPU decode kernels off "
                                                 "(KVWIRE_CPU_KERNELS=0: eager PyTorch ops), e.g. int8,bf16")
-    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of " + ", ".join(PEERS) + " (empty: none)")
+    ap.add_argument("--peers", default=",".join(DEFAULT_PEERS), help="comma list of " + ", ".join(PEERS) + " (empty: none)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--batches", default="1,4,16")

@@ -1,7 +1,10 @@
 """KV page kernels against the PyTorch reference on the same device and pages, in one run: the
 compiled Triton kernels on a CUDA device, the C kernels (kvwire_kernels/cpu) on the CPU.
 
-    python -m bench kernels [--device cuda|cpu] [--batches 1,16,64] [--contexts 512,2048,8192]
+    python -m bench kernels [--device cuda|cpu] [--batches 1,16,64] [--contexts 512,2048,8192] [--prompts 128,512,1024]
+
+On the CPU it also times prefill attention (a prompt's causal GQA over its own fp32 K/V): the C
+flash kernel against torch's ``scaled_dot_product_attention``, which it replaces.
 
 Method and details: bench/README.md, section ``bench/kernels.py``.
 """
@@ -107,6 +110,17 @@ def write_case(tk, layout: str, kv: str, tokens: int, dev: str) -> dict:
     return res
 
 
+def prefill_case(layout: str, n: int) -> dict:
+    from kvwire.kv.dense import sdpa_gqa
+    hkv, ratio, d = LAYOUTS[layout]
+    q, k, v = torch.randn(n, hkv * ratio, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    kernel = time_ms(lambda: cpu.prefill_attention(q, k, v, 0, 0, None, d ** -0.5))
+    torch_ms = time_ms(lambda: sdpa_gqa(q, k, v, None, causal=True))
+    flops = 2 * 2 * hkv * ratio * d * n * (n + 1) / 2  # QK and PV over the causal triangle
+    return {"layout": layout, "tokens": n, "kernel_ms": kernel, "sdpa_ms": torch_ms,
+            "kernel_gflops": flops / kernel / 1e6, "sdpa_gflops": flops / torch_ms / 1e6}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--contexts", default=None, help="default 512,2048,8192 on a GPU, 512,2048 on the CPU")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--kv", default="fp8_e4m3,bf16")
+    ap.add_argument("--prompts", default="128,512,1024", help="prompt lengths for prefill attention (CPU only)")
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
     gpu = args.device.startswith("cuda")
@@ -134,7 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
               for t in (max(int(b) for b in args.batches.split(",")), 8 * 512)]
     report = {"benchmark": "kernels", "model": "kv-layouts", "device": args.device,
               "kernel": "Triton (compiled)" if gpu else "kvwire_kernels/cpu (C)", "machine": facts,
-              "attention": attn, "writes": writes}
+              "attention": attn, "writes": writes,
+              "prefill": [] if gpu or not cpu.available() else
+              [prefill_case(lay, int(n)) for lay in layouts for n in tqdm(args.prompts.split(","), desc=f"prefill {lay}")]}
     common.save(report, markdown(report), args.out)
     print(markdown(report))
     return report
@@ -156,6 +173,14 @@ def markdown(report: dict) -> str:
              common.table(["layout", "KV", "tokens", "kernel ms", "reference ms", "kernel speedup"],
                           [[w["layout"], w["kv"], w["tokens"], f(w["kernel_ms"], 3), f(w["reference_ms"], 3),
                             common.ratio(w["reference_ms"], w["kernel_ms"])] for w in report["writes"]])]
+    if report.get("prefill"):
+        lines += ["", "Prefill attention (one prompt, causal GQA over its own fp32 K/V; GFLOP/s over the causal "
+                  "triangle):", "",
+                  common.table(["layout", "tokens", "kernel ms", "kernel GFLOP/s", "torch sdpa ms", "sdpa GFLOP/s",
+                                "kernel speedup"],
+                               [[p["layout"], p["tokens"], f(p["kernel_ms"], 3), f(p["kernel_gflops"], 0),
+                                 f(p["sdpa_ms"], 3), f(p["sdpa_gflops"], 0), common.ratio(p["sdpa_ms"], p["kernel_ms"])]
+                                for p in report["prefill"]])]
     return "\n".join(lines) + "\n"
 
 

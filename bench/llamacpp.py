@@ -127,11 +127,12 @@ def gguf_to_f16(src: Path, out: Path) -> Path:
     return _finish(w, tmp, out)
 
 
-def quantize_q8_0(f16: Path, out: Path) -> Path:
+def quantize_q8_0(f16: Path, out: Path, ftype: str = "LLAMA_FTYPE_MOSTLY_Q8_0") -> Path:
+    """``f16`` quantized by llama.cpp's own quantizer (``ftype``: a ``LLAMA_FTYPE_*`` name) into ``out``."""
     import llama_cpp
     if not out.is_file():
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+        params.ftype = getattr(llama_cpp, ftype)
         params.nthread = 0
         if llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), ctypes.byref(params)) != 0:
             raise RuntimeError(f"llama_model_quantize failed for {f16}")
@@ -139,10 +140,15 @@ def quantize_q8_0(f16: Path, out: Path) -> Path:
 
 
 def gguf_for(model_path: Path, fmt: str) -> Path:
-    """The f16 or q8_0 GGUF of a checkpoint (an HF directory, or a GGUF file / a directory holding
+    """The f16, q8_0, q4_k_m, q4_0 or q4_1 GGUF of a checkpoint (an HF directory, or a GGUF file / a directory holding
     one), cached under bench/.models/gguf (git-ignored; never beside a model in the repo) and keyed
-    by the weights' path, size and mtime, so a rebuilt model converts anew."""
+    by the weights' path, size and mtime, so a rebuilt model converts anew. ``file``: a GGUF
+    checkpoint itself, as shipped (its own tensor types)."""
     src = ours.find_gguf(Path(model_path))
+    if fmt == "file":
+        if src is None:
+            raise ValueError(f"{model_path} is not a GGUF file: llama.cpp's 'file' row needs one")
+        return src
     weights = [src.resolve()] if src is not None else sorted(Path(model_path).resolve().glob("*.safetensors"))
     key = hashlib.sha256("|".join(f"{w}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights).encode())
     out = MODELS / "gguf"
@@ -150,12 +156,17 @@ def gguf_for(model_path: Path, fmt: str) -> Path:
     stem = f"{(src.stem if src is not None else Path(model_path).name)}-{key.hexdigest()[:12]}"
     f16 = out / f"{stem}-f16.gguf"
     f16 = gguf_to_f16(src, f16) if src is not None else to_gguf(Path(model_path), f16)
+    if fmt in ("q4_k_m", "q4_0", "q4_1"):  # q4_k_m: what llama.cpp users mostly run; q4_0 / q4_1: its plain 4-bit
+        return quantize_q8_0(f16, out / f"{stem}-{fmt}.gguf", f"LLAMA_FTYPE_MOSTLY_{fmt.upper()}")
     return f16 if fmt == "f16" else quantize_q8_0(f16, out / f"{stem}-q8_0.gguf")
 
 
-def perplexity(path: Path, windows: list[list[int]], threads: int = 2, desc: str = "llama.cpp") -> float:
+def perplexity(path: Path, windows: list[list[int]], threads: int = 2, desc: str = "llama.cpp",
+               reference: list | None = None, kl: list | None = None) -> float:
     """Perplexity of llama.cpp on ``windows`` (token ids): each window one batch in a fresh context,
-    logits for every position (llama-cpp-python's ``logits_all``), the same scoring as bench/accuracy."""
+    logits for every position (llama-cpp-python's ``logits_all``), the same scoring as bench/accuracy.
+    With ``reference`` (per window, log-probs [len - 1, vocab] of another run) the mean KL divergence
+    reference || llama.cpp per token, in nats, is appended to ``kl``."""
     import llama_cpp as L
     from tqdm import tqdm
     _quiet(L)
@@ -170,7 +181,7 @@ def perplexity(path: Path, windows: list[list[int]], threads: int = 2, desc: str
     ctx = L.llama_init_from_model(model, cp)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     batch = L.llama_batch_init(n, 0, 1)
-    nll, count = 0.0, 0
+    nll, count, kl_sum, seen = 0.0, 0, 0.0, []
     try:
         for w in tqdm(windows, desc=desc, unit="window"):
             L.llama_memory_clear(L.llama_get_memory(ctx), True)
@@ -185,11 +196,17 @@ def perplexity(path: Path, windows: list[list[int]], threads: int = 2, desc: str
             top = logits.max(axis=1, keepdims=True)
             logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))  # [len(w) - 1]
             nll += float((logz - logits[np.arange(len(w) - 1), w[1:]]).sum())
+            if reference is not None:
+                ref = np.asarray(reference[len(seen)], dtype=np.float64)
+                kl_sum += float((np.exp(ref) * (ref - (logits - logz[:, None]))).sum())
+            seen.append(len(w))
             count += len(w) - 1
     finally:
         L.llama_batch_free(batch)
         L.llama_free(ctx)
         L.llama_model_free(model)
+    if reference is not None and kl is not None:
+        kl.append(kl_sum / count)
     return float(np.exp(nll / count))
 
 

@@ -2,6 +2,7 @@
 
     python -m bench memory --model smollm2-135m-instruct
     python -m bench memory --shape tinyllama-1.1b        # random weights of a real shape (bench/shapes.py)
+    python -m bench memory --shape tinyllama-1.1b --weights gguf --shape-gguf q4_k_m   # that shape in 4 bits
 
 Method and details: bench/README.md, section ``bench/memory.py``.
 """
@@ -50,11 +51,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--models-dir", type=Path, default=common.MODELS, help="where --shape models are written")
     ap.add_argument("--weights", default=QuantMode.INT8.value, choices=[m.value for m in QuantMode])
     ap.add_argument("--kv-dtype", default=KVDtype.FP8_E4M3.value, choices=[d.value for d in KVDtype])
+    ap.add_argument("--shape-gguf", choices=["q4_k_m", "q8_0"], default="q4_k_m",
+                    help="with --shape and --weights gguf: the shape's GGUF made by llama.cpp's quantizer "
+                         "(needs the peers extra)")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
     model = shapes.build(args.shape, args.models_dir) if args.shape else resolve_model_path(args.model)
+    if args.shape and args.weights == QuantMode.GGUF.value:
+        from bench import llamacpp
+        model = llamacpp.gguf_for(model, args.shape_gguf)
     if args.shape:
         ids = [100 + i % 1000 for i in range(args.prompt_len)]
     else:
@@ -75,7 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
                      "pool_mb": round(pool, 1), "runtime_mb": round(status[name]["VmHWM"] - held, 1),
                      "peak_over_weights_and_pool": round(status[name]["VmHWM"] / held, 2)})
         print(rows[-1], flush=True)
-    report = {"benchmark": "memory", "model": args.shape or Path(args.model).stem, "weights": args.weights,
+    name = args.shape + (f" ({args.shape_gguf})" if args.weights == QuantMode.GGUF.value else "") if args.shape \
+        else Path(args.model).stem
+    report = {"benchmark": "memory", "model": name, "weights": args.weights,
               "kv_dtype": args.kv_dtype, "requests": args.requests, "prompt_len": args.prompt_len, "rows": rows}
     common.save(report, markdown(report), args.out)
     return report

@@ -32,8 +32,9 @@ BENCHMARKS_DOC = common.DOCS
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 MODULES = {"engine": "bench.engine", "accuracy": "bench.accuracy", "speculative": "bench.speculative",
            "disagg": "bench.disagg", "serve": "bench.serve", "tokenizer": "bench.tokenizer", "kv": "bench.kv",
-           "prefix": "bench.prefix", "serve-vs-vllm": "bench.serve_peers", "memory": "bench.memory"}
-ORDER = ("engine", "accuracy", "speculative", "disagg")  # the README's rows, in this order
+           "prefix": "bench.prefix", "serve-vs-vllm": "bench.serve_peers", "memory": "bench.memory",
+           "capacity": "bench.capacity", "lm-eval": "bench.lmeval"}
+ORDER = ("engine", "accuracy", "speculative", "disagg", "capacity", "serve-vs-vllm")  # the README's rows, in this order
 ISA_TAGS = (("avx512f", "avx512"), ("avx512_vnni", "vnni"), ("avx512_bf16", "bf16"), ("avx512_fp16", "fp16"),
             ("amx_int8", "amx"))
 
@@ -181,7 +182,58 @@ def disagg_rows(rep: dict) -> list[Row]:
     return rows
 
 
-ROWS = {"engine": engine_rows, "accuracy": accuracy_rows, "speculative": speculative_rows, "disagg": disagg_rows}
+def capacity_rows(rep: dict) -> list[Row]:
+    by = {r["mode"]: r for r in rep["modes"] if not r.get("error")}
+    head, base = by.get("int8/fp8_e4m3"), by.get("bf16/bf16")
+    if not head or not base or not head.get("observed") or not base.get("observed"):
+        return []
+    seq = rep["prompt_len"] + rep["output_len"]
+    rows = [Row(f"{rep['budget_mb']:g} MiB of KV pages: {seq}-token sequences held at once, served", str(head["observed"]),
+                f"{base['observed']} (bf16 weights, bf16 pages)", f"{head['observed'] / base['observed']:.2f}x",
+                rep["command"])]
+    a = next((lv for lv in head.get("levels", []) if lv["concurrency"] == head["observed"]), None)
+    b = next((lv for lv in base.get("levels", []) if lv["concurrency"] == base["observed"]), None)
+    if a and b:
+        rows.append(Row(f"{rep['budget_mb']:g} MiB of KV pages: output tok/s at that load ({rep['prompt_len']} in, "
+                        f"{rep['output_len']} out), int8/fp8_e4m3", f"{a['output_throughput']:.1f}",
+                        f"{b['output_throughput']:.1f} (bf16 weights, bf16 pages)",
+                        common.ratio(a["output_throughput"], b["output_throughput"]), rep["command"]))
+    return rows
+
+
+def serve_peers_rows(rep: dict) -> list[Row]:
+    """Per workload: our output tok/s and TTFT p50 at each concurrency against the best peer configuration there."""
+    from bench import peers_report as pr
+    rows = []
+    for w, spec in rep.get("workloads", {}).items():
+        cs = pr._levels(rep, w)
+        cmp = [pr.compare(rep, w, c) for c in cs]
+        for label, key, best_key in (("output tok/s", "output_throughput", "best_tok_s"),
+                                     ("TTFT p50 ms", "median_ttft_ms", "best_ttft")):
+            ours = [pr.levels_at(rep, w, c).get(pr.OURS, {}).get(key) for c in cs]
+            peer = [pr.levels_at(rep, w, c).get(x[best_key] or "", {}).get(key) for c, x in zip(cs, cmp)]
+            names = sorted({x[best_key] for x in cmp if x[best_key]})
+            rows.append(Row(f"Served {label}, {w} ({spec['input_len']} in / {spec['output_len']} out), concurrency "
+                            + " / ".join(map(str, cs)),
+                            " / ".join(common.fmt(v, 0 if key != "output_throughput" else 1) for v in ours),
+                            " / ".join(common.fmt(v, 0 if key != "output_throughput" else 1) for v in peer)
+                            + f" (best peer per level: {', '.join(names)})",
+                            " / ".join(common.ratio(a, b).strip("*") if a and b else "-" for a, b in zip(ours, peer)),
+                            rep["command"]))
+    return rows
+
+
+def lm_eval_rows(rep: dict) -> list[Row]:
+    """lm-evaluation-harness's scores through the OpenAI door against the same harness on transformers."""
+    d, h, c = rep["door"], rep["hf"], rep["comparison"]
+    return [Row(f"lm-evaluation-harness {m} (%) through the OpenAI door, {d['samples']} local multiple-choice "
+                f"questions, weights {d['weights']} / KV {d['kv_dtype']}", f"{100 * d[m]:.2f}",
+                f"{100 * h[m]:.2f} (the same harness on transformers, same GGUF)", f"{c[f'{m}_points']:+.2f} points",
+                rep["command"]) for m in ("acc", "acc_norm")]
+
+
+ROWS = {"engine": engine_rows, "accuracy": accuracy_rows, "speculative": speculative_rows, "disagg": disagg_rows,
+        "capacity": capacity_rows, "serve-vs-vllm": serve_peers_rows, "lm-eval": lm_eval_rows}
 
 
 def _dates(reports: list[dict]) -> str:
@@ -189,9 +241,18 @@ def _dates(reports: list[dict]) -> str:
     return ds[0] if len(ds) == 1 else f"{ds[0]} to {ds[-1]}"
 
 
+def _peak_load(rep: dict) -> float | None:
+    """The highest 1-minute load average a run recorded: the machine's at the start, or any server's
+    (serve-vs-vllm samples one before and after each server, so work that started mid-run shows)."""
+    seen = [rep["machine"].get("load_avg_1m")] + [x for s in rep.get("servers", {}).values()
+                                                  for x in s.get("load_avg_1m") or []]
+    seen = [x for x in seen if x is not None]
+    return max(seen) if seen else None
+
+
 def _machine_line(reports: list[dict]) -> str:
     m = next((r["machine"] for r in reports if r["machine"].get("read_bandwidth_gbs")), reports[0]["machine"])
-    loads = ", ".join(f"{r['benchmark']} {r['machine'].get('load_avg_1m', '-')}" for r in reports)
+    loads = ", ".join(f"{r['benchmark']} {_peak_load(r) if _peak_load(r) is not None else '-'}" for r in reports)
     bw = f", {m['read_bandwidth_gbs']} GB/s read bandwidth" if m.get("read_bandwidth_gbs") else ""
     return (f"{m['cpu']}, {m['cores']} cores, {m.get('memory_gib', '-')} GiB, ISA {' '.join(m.get('isa', [])) or '-'}"
             f"{bw}; torch {m.get('torch', '-')}; 1-minute load average ({loads})")
@@ -201,12 +262,12 @@ def _load_warning(reports: list[dict]) -> str:
     """A sentence when some run had more runnable work than cores: OpenMP barriers then wait for
     threads held off their cores, and absolute figures (ours and peers' alike) fall far below an idle
     machine's."""
-    busy = [r for r in reports if (r["machine"].get("load_avg_1m") or 0) > (r["machine"].get("cores") or 1)]
+    busy = [r for r in reports if (_peak_load(r) or 0) > (r["machine"].get("cores") or 1)]
     if not busy:
         return ""
-    worst = max(busy, key=lambda r: r["machine"]["load_avg_1m"])
+    worst = max(busy, key=_peak_load)
     return (f" **The machine was oversubscribed during {', '.join(r['benchmark'] for r in busy)} (load average up "
-            f"to {worst['machine']['load_avg_1m']} on {worst['machine']['cores']} cores): absolute figures there "
+            f"to {_peak_load(worst)} on {worst['machine']['cores']} cores): absolute figures there "
             "are far below an idle machine's and ratios are noisy; idle runs are in CHANGELOG.md's history.**")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
 import time
 from pathlib import Path
 
@@ -118,6 +119,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--log-dir", type=Path, default=None, help="service logs (default: discarded)")
     ap.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=True,
                     help="prefill_svc and decode_svc lend each other their cores (--no-share-cores: the static split)")
+    ap.add_argument("--prefill-replicas", type=int, default=1,
+                    help="prefill_svc processes (0: none, decode_svc prefills every prompt on every core)")
+    ap.add_argument("--decode-args", default="", help="more decode_svc flags, one string "
+                                                       "(e.g. '--prefill-chunk-size 128')")
     ap.add_argument("--out", type=Path, default=common.OUT)
     args = ap.parse_args(argv)
 
@@ -132,14 +137,16 @@ def main(argv: list[str] | None = None) -> dict:
         if draft is None:
             sibling = args.model_dir.parent / f"{args.model_dir.name}-draft"
             draft = str(sibling) if (sibling / "config.json").is_file() else ""
-        decode_flags = ["--speculative", args.speculative, "--draft-model-dir", draft]
+        decode_flags = ["--speculative", args.speculative, "--draft-model-dir", draft, *shlex.split(args.decode_args)]
         with Stack(model_dir=args.model_dir, weights=args.weights, kv_dtype=args.kv_dtype, log_dir=args.log_dir,
                    decode_pages=args.decode_pages, extra={"decode_svc": decode_flags},
-                   share_cores=args.share_cores) as stack:
+                   share_cores=args.share_cores, prefill_replicas=args.prefill_replicas) as stack:
             levels = run(stack.addr("tokenizer_svc"), prompts, args)
     report = {"benchmark": "serve", "model": args.model_dir.name, "weights": args.weights, "kv_dtype": args.kv_dtype,
               "speculative": args.speculative if not args.addr else "(running service)",
               "share_cores": args.share_cores if not args.addr else None,
+              "prefill_replicas": args.prefill_replicas if not args.addr else None,
+              "decode_args": args.decode_args if not args.addr else None,
               "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
               "dataset": args.dataset, "slo_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms,
                                                   "e2el": args.slo_e2el_ms},

@@ -3,11 +3,13 @@
 Header (spec + fingerprint checked), KV chunks (sizes, place, CRC-32 and finite numbers checked by
 ``PageImport``, every page exactly once), then the first token (in the vocabulary), all within the
 caller's deadline capped at a transfer timeout; anything wrong is DATA_LOSS for that request alone,
-before its pages are used or a token reaches the client. UNAVAILABLE becomes ``errors.Unavailable``,
-which the engine's policy answers with a local prefill.
+before its pages are used or a token reaches the client. UNAVAILABLE becomes ``errors.Unavailable``
+and RESOURCE_EXHAUSTED (prefill's pool full) ``errors.ResourceExhausted``, which the engine's
+policy answers with a local prefill (AUTO requests).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -18,12 +20,22 @@ from kvwire.engine.kv_source import PageImport, Run
 from kvwire.engine.request import Request
 from kvwire.engine.runner import ModelRunner
 from kvwire.kv.wire import TransferTracker, WireError
+from kvwire.sampling_params import SamplingParams
 from protos import convert as conv
 from protos.kvwire.v1 import kvwire_pb2 as pb
 
 tracer = trace.get_tracer("kvwire.engine")
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 IMPORT_BATCH_BYTES = 8 << 20  # verified KV held before it is copied into the pages
+
+
+def first_token_params(req: Request) -> SamplingParams:
+    """The params prefill_svc samples token 0 with: the request's, but where min_tokens holds stop
+    tokens back, this engine's whole stop set (EOS included) as stop_token_ids with ignore_eos,
+    so prefill masks exactly the tokens decode would (its own EOS set may differ)."""
+    if not req.params.min_tokens:
+        return req.params
+    return dataclasses.replace(req.params, stop_token_ids=tuple(sorted(req.stops)), ignore_eos=True)
 
 
 class RemotePrefill:
@@ -63,6 +75,8 @@ class RemotePrefill:
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:  # the engine answers with a local prefill (AUTO)
                 raise errors.Unavailable(f"prefill_svc is unavailable: {e.details()}") from e
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its pool is full: local prefill too (AUTO)
+                raise errors.ResourceExhausted(f"prefill_svc is full: {e.details()}") from e
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
             raise errors.DeadlineExceeded(f"the KV transfer from the prefill service did not finish within "
@@ -78,7 +92,7 @@ class RemotePrefill:
         cached_pages = req.cached_tokens // spec.block_size
         name = self.runner.prefix.names(req.prompt[:req.cached_tokens])[-1] if cached_pages else b""
         call = self.stub.Prefill(pb.PrefillRequest(
-            request_id=req.request_id, token_ids=req.prompt, sampling=conv.sampling_to_pb(req.params),
+            request_id=req.request_id, token_ids=req.prompt, sampling=conv.sampling_to_pb(first_token_params(req)),
             expected_spec=conv.spec_to_pb(spec), expected_fingerprint=conv.fingerprint_to_pb(runtime.fingerprint),
             cached_pages=cached_pages, cached_prefix_hash=name), timeout=timeout)
         started = time.perf_counter()
@@ -103,6 +117,9 @@ class RemotePrefill:
                             await self._verified(run, imports.copy, imports.take())
                     elif kind == "done":
                         first = msg.done.first_token
+                        if req.params.logprobs is not None:
+                            [req.first_logprobs] = conv.logprobs_from_pb([msg.done.first_logprob])
+                        req.choice_firsts = self._choice_firsts(req, msg.done)
             finally:
                 call.cancel()  # no-op when the stream ended normally
             if imports.tracker is None or first is None:
@@ -115,6 +132,9 @@ class RemotePrefill:
             vocab = runtime.model_config.vocab_size
             if not 0 <= first < vocab:  # checked before anything reaches the client or a decode step
                 raise errors.DataLoss(f"prefill sent first token {first}, outside the vocabulary [0, {vocab})")
+            if req.first_logprobs is not None and req.first_logprobs.token_id != first:
+                raise errors.DataLoss(f"prefill sent logprobs for token {req.first_logprobs.token_id}, "
+                                      f"not for its first token {first}")
             sent_pages = imports.num_pages - cached_pages
             bf16_bytes = sent_pages * spec.num_layers * 2 * spec.values_per_page * 2
             span.set_attributes({
@@ -126,6 +146,21 @@ class RemotePrefill:
             metrics.KV_TRANSFER_BYTES.inc(tracker.bytes)
             metrics.KV_TRANSFER_SECONDS.observe(time.perf_counter() - started)
             return first
+
+    def _choice_firsts(self, req: Request, done: pb.PrefillDone) -> list:
+        """n > 1: choices 1..n-1's first tokens (and logprobs when asked), checked like token 0's."""
+        tokens, vocab = list(done.choice_first_tokens), self.runner.runtime.model_config.vocab_size
+        if len(tokens) != req.params.n - 1:
+            raise errors.DataLoss(f"prefill sent {len(tokens)} choices' first tokens for n={req.params.n} "
+                                  f"(expected {req.params.n - 1}: an older prefill_svc?)")
+        if any(not 0 <= t < vocab for t in tokens):
+            raise errors.DataLoss(f"prefill sent a choice's first token outside the vocabulary [0, {vocab})")
+        if req.params.logprobs is None:
+            return [(t, None) for t in tokens]
+        lps = conv.logprobs_from_pb(done.choice_first_logprobs)
+        if [lp.token_id for lp in lps] != tokens:
+            raise errors.DataLoss("prefill sent choices' logprobs for other tokens than their first tokens")
+        return list(zip(tokens, lps))
 
     @staticmethod
     async def _verified(run: Run, fn, *args) -> None:

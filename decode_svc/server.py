@@ -28,17 +28,21 @@ class DecodeServicer(kvwire_pb2_grpc.DecodeServiceServicer):
                              "gen_ai.request.max_tokens": params.max_tokens,
                              "gen_ai.request.temperature": params.temperature,
                              "gen_ai.usage.input_tokens": len(prompt)})
-        completion = 0
+        completion: dict[int, int] = {}  # per choice (n > 1: each choice's messages carry its index)
         stream = self.engine.generate(prompt, params, request_id, kv_source, deadline_of(context))
         close_when_rpc_ends(context, stream)  # a cancelled call's pages go back now, not at GC time
         async with contextlib.aclosing(stream):
             async for out in stream:
-                completion += len(out.token_ids)
-                msg = pb.GenerateTokensResponse(token_ids=out.token_ids)
+                completion[out.index] = completion.get(out.index, 0) + len(out.token_ids)
+                msg = pb.GenerateTokensResponse(token_ids=out.token_ids, index=out.index)
+                if out.logprobs is not None:
+                    msg.logprobs.extend(conv.logprobs_to_pb(out.logprobs))
+                if out.prompt_logprobs is not None:
+                    msg.prompt_logprobs.extend(conv.logprobs_to_pb(out.prompt_logprobs))
                 if out.finished:
                     msg.finish_reason = conv.finish_to_pb(out.finish_reason)
-                    msg.usage.prompt_tokens, msg.usage.completion_tokens = len(prompt), completion
-                    span.set_attributes({"gen_ai.usage.output_tokens": completion,
+                    msg.usage.prompt_tokens, msg.usage.completion_tokens = len(prompt), completion[out.index]
+                    span.set_attributes({"gen_ai.usage.output_tokens": sum(completion.values()),
                                          "gen_ai.response.finish_reasons": [out.finish_reason.value]})
                 yield msg
 
@@ -48,4 +52,5 @@ class DecodeServicer(kvwire_pb2_grpc.DecodeServiceServicer):
         return pb.GetPoolStatsResponse(
             total_pages=s["num_pages"], free_pages=s["free"], used_pages=s["used"], running=s["running"],
             waiting=s["waiting"], spec=conv.spec_to_pb(spec), page_bytes=spec.page_bytes_per_layer * spec.num_layers,
-            usage_fraction=s["used"] / s["num_pages"], cached_pages=s["cached_pages"])
+            usage_fraction=s["used"] / s["num_pages"], cached_pages=s["cached_pages"],
+            num_preemptions=s["num_preemptions"], shared_pages=s["shared"])

@@ -36,6 +36,13 @@ class WeightsMode(str, enum.Enum):
     BF16 = "bf16"
     INT8 = "int8"
     FP8 = "fp8"
+    # A GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks as stored (kvwire.model.gguf_linear);
+    # int8 for every other layer, and for everything in a checkpoint that is not a GGUF file.
+    GGUF = "gguf"
+    # Group-wise 4-bit from a float checkpoint, written as GGUF Q4_1 blocks (kvwire.model.int4), lm_head
+    # Q8_0: round-to-nearest, or with activation-aware scales from calibration text (kvwire.model.awq).
+    INT4 = "int4"
+    INT4_AWQ = "int4-awq"
 
 
 QuantMode = WeightsMode  # deprecated name of WeightsMode

@@ -55,6 +55,8 @@ _VARS = [
        "1 (required)"),
     _v("KVWIRE_KERNEL_CACHE", Path, Path.home() / ".cache" / "kvwire" / "kernels",
        "where the CPU kernels are compiled to"),
+    _v("KVWIRE_AWQ_CACHE", Path, Path.home() / ".cache" / "kvwire" / "awq",
+       "where --weights int4-awq keeps the scales it searched (one small file per model and calibration)"),
     _v("KVWIRE_KERNEL_PREBUILT", Path, None, "directory of prebuilt CPU kernels (default: kvwire_kernels/cpu/prebuilt)"),
     _v("KVWIRE_AMX", str, "auto", "0: no AMX tiles in the int8 CPU kernels"),
     _v("KVWIRE_INT8_ACTIVATIONS", str, "auto", "0: int8 weights multiply fp32/bf16 activations (no VNNI path)"),

@@ -13,6 +13,7 @@ import torch
 
 from kvwire.kv.dense import DenseKVCache
 from kvwire.model.model import Transformer
+from kvwire.logits_process import RowContext, process
 from kvwire.sampler import sample
 from kvwire.errors import InvalidRequest
 from kvwire.sampling_params import FinishReason, SamplingParams
@@ -32,12 +33,15 @@ def generate_stream(model: Transformer, prompt: list[int], params: SamplingParam
         raise InvalidRequest("the prompt is empty")
     if cache is None:
         cache = DenseKVCache(model.cfg, num_slots=1, max_len=len(prompt) + params.max_tokens)
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
+    output: list[int] = []
     tokens = torch.tensor(prompt, dtype=torch.int64)
     positions = cache.prepare([seq], [len(prompt)])
     logits = model(tokens, positions, cache, logits_rows=torch.tensor([len(prompt) - 1]))
     for step in range(params.max_tokens):
-        tok = sample(logits[0], params, step)
+        row = process(logits[:1], [RowContext(params, prompt, output, stops)])[0]  # [vocab]
+        tok = sample(row, params, step)
+        output.append(tok)
         if tok in stops:
             yield Generated(tok, FinishReason.STOP)
             return

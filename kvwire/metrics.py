@@ -16,8 +16,8 @@ kvwire (Prometheus)                            OpenTelemetry GenAI semantic conv
 
 Who exports what (each service serves only what it records, plus the pool gauges it registers):
 
-- tokenizer_svc (the front door, what a client sees): the request latencies, token counters and
-  ``request_success_total``.
+- tokenizer_svc (the front door, what a client sees): the request latencies, token counters,
+  ``request_success_total`` and the HTTP door's ``http_requests_total`` by route, method and status.
 - decode_svc: running/waiting requests, KV pool use, KV bytes received over the wire, the KV
   transfer time, speculative decoding.
 - prefill_svc: its own KV pool use.
@@ -35,7 +35,7 @@ import time
 from typing import Callable, Mapping
 
 from prometheus_client import REGISTRY, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's buckets, so quantiles compare with a vLLM deployment's.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -62,6 +62,10 @@ REQUEST_SUCCESS = Counter("kvwire:request_success", "Requests that finished norm
                           ["model_name", "finished_reason"])
 
 # ---- every service -----------------------------------------------------------------------------------
+# The OpenAI HTTP door: route (its template, "unmatched" otherwise), method, status code ("499": the
+# client went away first, nginx's convention).
+HTTP_REQUESTS = Counter("kvwire:http_requests", "HTTP requests the OpenAI door answered, by route, method and status",
+                        ["route", "method", "status"])
 GRPC_REQUESTS = Counter("kvwire:grpc_requests", "RPCs this process received, by method", ["grpc_method"])
 GRPC_ERRORS = Counter("kvwire:grpc_errors", "RPCs that ended with an error status, by method and code",
                       ["grpc_method", "grpc_code"])
@@ -123,6 +127,11 @@ class PoolCollector:
                 waiting.add_metric([], s["waiting"])
             yield running
             yield waiting
+            preempted = CounterMetricFamily("kvwire:num_preemptions", "Running requests preempted because the KV "
+                                            "pool ran short (recomputed when readmitted)")
+            if s:
+                preempted.add_metric([], s.get("num_preemptions", 0))
+            yield preempted
 
 
 _pool_lock = threading.Lock()

@@ -15,7 +15,8 @@ from kvwire.malloc import keep_freed_memory
 from kvwire.model.fast_decode import FastDecode
 from kvwire.model.loader import load_model
 from kvwire.model.model import Transformer
-from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer
+from kvwire.model import awq
+from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer, quantize_model
 
 
 EngineConfig = RuntimeConfig  # deprecated name of kvwire.config.RuntimeConfig
@@ -30,6 +31,8 @@ class Runtime:
     model_config: ModelConfig
     spec: KVPageSpec
     fingerprint: Fingerprint
+    # The checkpoint's own hash; the fingerprint's differs where the load changed the weights (int4-awq's scales).
+    checkpoint_sha256: str = ""
 
     def new_cache(self, num_pages: int | None = None):
         return PagedKVCache(self.model_config, self.spec, num_pages or self.cfg.num_pages, device=self.cfg.device)
@@ -42,13 +45,24 @@ def load_runtime(cfg: RuntimeConfig) -> Runtime:
     # int8/fp8: each Linear is quantized as the loader reads its pieces (never a fp32 model first);
     # the layers are bit-identical to quantize_model(load_model(...), ...).
     quantize = load_quantizer(weights, include_lm_head=weights in HEAD_QUANTIZED)
-    loaded = load_model(cfg.model_dir, dtype=dtype, device=cfg.device, quantize=quantize)
-    model = loaded.model
+    # gguf: a GGUF file's layers of the native block types keep their blocks; every other layer is int8.
+    loaded = load_model(cfg.model_dir, dtype=dtype, device=cfg.device,
+                        quantize=None if weights == WeightsMode.INT4_AWQ else quantize,
+                        gguf_blocks=weights == WeightsMode.GGUF)
+    model, weights_sha256 = loaded.model, loaded.weights_sha256
+    if weights == WeightsMode.INT4_AWQ:
+        # The float model first: its activations on calibration text choose the scales folded in,
+        # then every block Linear is rounded to int4 blocks, each group's range searched (kvwire.model.awq).
+        found = awq.calibrate_model(model, loaded.config, cfg.model_dir, loaded.weights_sha256)
+        awq.quantize_blocks(model, found)
+        quantize_model(model, weights, include_lm_head=True)  # lm_head, and any shape the blocks do not take
+        # The scales are part of the weights run: peers whose searches differed refuse each other's KV.
+        weights_sha256 = awq.scales_sha256(loaded.weights_sha256, found)
     if cfg.device == "cpu":
         model.step_fn = FastDecode.build(model)  # None: no compiler or an unsupported layer/shape
     spec = KVPageSpec.for_model(loaded.config, cfg.block_size, cfg.kv_dtype)
-    fp = fingerprint(cfg.model_dir, loaded.config, loaded.weights_sha256, weights.value, dtype.value)
-    return Runtime(cfg, model, loaded.config, spec, fp)
+    fp = fingerprint(cfg.model_dir, loaded.config, weights_sha256, weights.value, dtype.value)
+    return Runtime(cfg, model, loaded.config, spec, fp, loaded.weights_sha256)
 
 
 load_engine = load_runtime  # deprecated name of load_runtime

@@ -1,4 +1,6 @@
-"""The token sampler (greedy, temperature, top-k, top-p, seeded).
+"""The token sampler (greedy, temperature, min-p, top-k, top-p, seeded).
+
+Penalties, logit bias and min_tokens change the logits before they get here (kvwire.logits_process).
 
 Reproducible across processes: the randomness for the i-th generated token of a request comes from
 a generator seeded by (seed, i), so prefill_svc can sample token 0 and decode_svc tokens 1.. and the
@@ -7,10 +9,15 @@ result equals in-process generation with the same seed, with no generator state 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvwire.logits_process import RowContext, process
 from kvwire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvwire.grammar import Matcher
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the seed space
 # Tuned: the most likely tokens searched first for the top-p nucleus (then 4x as many), against a
@@ -28,8 +35,11 @@ def step_generator(seed: int | None, step: int) -> torch.Generator:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [vocab] -> the sampling distribution [vocab] after temperature, top-k and top-p."""
+    """logits [vocab] -> the sampling distribution [vocab] after temperature, min-p, top-k and
+    top-p, in vLLM's order (min-p reads the tempered distribution before top-k and top-p cut it)."""
     logits = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        logits = min_p_filter(logits, params.min_p)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -37,6 +47,14 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         probs = nucleus(probs, params.top_p)
     return probs
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """logits [..., vocab] -> the same with -inf where a token's probability is below ``min_p``
+    times the most likely token's (HF's MinPLogitsWarper, vLLM's min_p). Compared in log space:
+    logit - max < log(min_p), so no softmax is needed; the most likely token always stays."""
+    top = logits.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(logits - top < math.log(min_p), float("-inf"))
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -87,3 +105,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     if params.greedy:
         return argmax(logits)
     return draw(probabilities(logits, params), step_generator(params.seed, step))
+
+
+def sample_first(logits: torch.Tensor, params: SamplingParams, prompt: list[int], stops: frozenset[int],
+                 grammar: Matcher | None = None) -> int:
+    """Token 0 of a request from its prompt's last logits [vocab]: processed first (the repetition
+    penalty sees the prompt; min_tokens holds ``stops`` back), wherever it is sampled; then masked
+    by ``grammar`` (params.structured's matcher), which accepts the token."""
+    if params.processed:
+        logits = process(logits[None], [RowContext(params, prompt, (), stops)])[0]  # [vocab]
+    if grammar is None:
+        return sample(logits, params, 0)
+    token = sample(grammar.mask(logits), params, 0)
+    grammar.accept(token)
+    return token

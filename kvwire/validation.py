@@ -35,6 +35,7 @@ def validate_request(prompt: Sequence[int], params: SamplingParams | None, limit
     if params is not None:
         params.validate()
         check_token_ids(params.stop_token_ids, limits.vocab_size, "sampling.stop_token_ids")
+        check_token_ids([t for t, _ in params.logit_bias], limits.vocab_size, "sampling.logit_bias")
     check_token_ids(prompt, limits.vocab_size, what)
     if limits.max_context is not None:
         extra = new_tokens if new_tokens is not None else (params.max_tokens if params is not None else 0)

@@ -20,8 +20,11 @@ from pathlib import Path
 import torch
 
 from kvwire import envs
+from kvwire_kernels import reference
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "kvwire_cpu.c"
+# Every source the build reads (SOURCE includes the others): the cache key covers them all.
+SOURCES = (SOURCE, SOURCE.parent / "gguf_blocks.c")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 PREBUILT = Path(__file__).resolve().parent / "cpu" / "prebuilt"
 # Portable ISA levels for prebuilt binaries, best first, with the /proc/cpuinfo flags each needs.
@@ -35,7 +38,7 @@ LEVELS = {"x86-64-v4-vnni-bf16-amx": _BF16 + ("amx_tile", "amx_int8"), "x86-64-v
 MARCH = {"x86-64-v4-vnni-bf16-amx": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"],
          "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # where not -march=LEVEL
          "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}
-ABI_VERSION = 7
+ABI_VERSION = 9
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -48,12 +51,20 @@ SIGNATURES = {
     "kvw_write_kv": [P, P, I64, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_rope_split": [P, I64, I64, I64, I64, P, P, P, P, P],
     "kvw_paged_attention": [P, I64, I64, I64, I64, P, P, P, P, I64, P, I64, P, I64, F32, P, I32, I32],
+    "kvw_prefill_attention": [P, I64, I64, I64, I64, P, P, I64, I64, I64, I64, F32, P, I32],
     "kvw_linear_i8a8": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_quantize_act8": [P, I64, I64, P, P, P],
     "kvw_gemm_i8a8": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_linear_bf16a16": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
+    "kvw_gemm_q4_0": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_gemm_q4_1": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_gemm_q8_0": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_gemm_q4_k": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_gemm_q5_k": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_gemm_q6_k": [P, I64, I64, P, I64, P, P, P, P, I32],
+    "kvw_quantize_blocks": [P, I64, I64, P, P, P, P],
     "kvw_draft_head_eval": [P, I64, P, P, P, P, I32],
     "kvw_draft_head_chain": [P, I64, P, P, P, I64, F32, P, P, I32],
 }
@@ -62,6 +73,9 @@ WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C fil
 WT_I8A8 = 3  # int8 weights x int8 activations (blocks of 32), AVX512-VNNI builds only
 WT_I8A8_PACKED = 4  # the same, weights as pack_i8a8 lays them out (kvw_gemm_i8a8)
 WT_BF16A16 = 5  # bf16 weights x bf16 activations (kvw_linear_bf16a16), AVX512-BF16 builds only
+# GGUF block formats as stored (kvw_gemm_q4_0 ... q6_k, every build), weights as pack_gguf lays them out
+WT_GGUF = {"Q4_0": 6, "Q4_1": 7, "Q8_0": 8, "Q4_K": 9, "Q5_K": 10, "Q6_K": 11}
+WT_ROWS = 12  # w: an array of LinearDesc parts (the last with out_features 0), outputs side by side
 
 
 class LinearDesc(ctypes.Structure):
@@ -117,7 +131,7 @@ def _compile(cc: str, level: str, out: Path) -> None:
 
 def _native(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, _cpu_flags(), " ".join(FLAGS)]).encode())
+    key = hashlib.sha256("\n".join([*(p.read_text() for p in SOURCES), version, _cpu_flags(), " ".join(FLAGS)]).encode())
     target = cache_dir() / f"kvwire_cpu_{key.hexdigest()[:16]}.so"
     if not target.exists():
         _compile(cc, "native", target)
@@ -125,7 +139,7 @@ def _native(cc: str) -> Path:
 
 
 def _source_key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
 
 
 def prebuilt_path(level: str, root: Path | None = None) -> Path:
@@ -177,6 +191,7 @@ def library() -> ctypes.CDLL | None:
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, RESTYPES.get(name)
+        lib.kvw_gguf_isa.argtypes, lib.kvw_gguf_isa.restype = [], ctypes.c_int
         lib.kvw_has_vnni.argtypes, lib.kvw_has_vnni.restype = [], ctypes.c_int
         lib.kvw_has_bf16.argtypes, lib.kvw_has_bf16.restype = [], ctypes.c_int
         lib.kvw_set_amx.argtypes, lib.kvw_set_amx.restype = [ctypes.c_int], ctypes.c_int
@@ -331,6 +346,109 @@ def gemm_i8a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: 
     return y
 
 
+# GGUF block formats the kernels multiply as stored: (values, bytes) per block, and the fields of a
+# block in the order pack_gguf lays them out for the kernels (kvwire_kernels/cpu/gguf_blocks.c):
+# ("vec", a, b): bytes a..b as 64-byte vectors of 16 rows x 4 bytes; ("row2", a, b): a 2-byte field
+# (fp16 d, m, dmin) of the 16 rows; ("col", a, b): one byte per (field byte, row) (Q6_K's int8 scales);
+# ("kscales", a, b): Q4_K / Q5_K's 12 bytes of 6-bit scales and mins as bytes (16 per row).
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
+               "Q6_K": (256, 210)}
+GGUF_FIELDS = {
+    "Q4_0": (("vec", 2, 18), ("row2", 0, 2)),
+    "Q4_1": (("vec", 4, 20), ("row2", 0, 2), ("row2", 2, 4)),
+    "Q8_0": (("vec", 2, 34), ("row2", 0, 2)),
+    "Q4_K": (("vec", 16, 144), ("row2", 0, 2), ("row2", 2, 4), ("kscales", 4, 16)),
+    "Q5_K": (("vec", 48, 176), ("vec", 16, 48), ("row2", 0, 2), ("row2", 2, 4), ("kscales", 4, 16)),
+    "Q6_K": (("vec", 0, 128), ("vec", 128, 192), ("col", 192, 208), ("row2", 208, 210)),
+}
+
+
+def _k_scales_packed(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """``reference.k_scales``' inverse (every one of the 96 bits is a scale's or a min's): [..., 8] x 2 -> [..., 12]."""
+    d = sc[..., :4] | ((sc[..., 4:] & 0x30) << 2)
+    m = mn[..., :4] | ((mn[..., 4:] & 0x30) << 2)
+    return torch.cat((d, m, (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)), dim=-1)
+
+
+def pack_gguf(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF rows of blocks, uint8 [out, in / values * bytes] as stored -> the layout kvw_gemm_q* read:
+    [out / 16, blocks, packed bytes] uint8: per panel of 16 rows and block, the fields of
+    ``GGUF_FIELDS`` in turn. Bytes move; only Q4_K / Q5_K's 6-bit scales are widened to bytes. Every
+    bit of the file is kept (``unpack_gguf``)."""
+    _check(raw, torch.uint8, "raw")
+    _, size = GGUF_BLOCKS[qtype]
+    out, width = raw.shape
+    if out % 16 or width % size:
+        raise ValueError(f"pack_gguf: {qtype} rows must be a multiple of 16 and whole blocks, got {tuple(raw.shape)}")
+    panels, nb = out // 16, width // size
+    blocks = raw.view(panels, 16, nb, size)  # [panels, 16 rows, blocks, bytes]
+    parts = []
+    for kind, a, b in GGUF_FIELDS[qtype]:
+        f = blocks[..., a:b]  # [P, 16, nb, n]
+        if kind == "vec":  # [P, nb, n / 4 vectors, 16 rows, 4]
+            parts.append(f.reshape(panels, 16, nb, (b - a) // 4, 4).permute(0, 2, 3, 1, 4).reshape(panels, nb, -1))
+        elif kind == "row2":  # [P, nb, 16 rows, 2]
+            parts.append(f.permute(0, 2, 1, 3).reshape(panels, nb, 32))
+        elif kind == "col":  # [P, nb, n, 16 rows]
+            parts.append(f.permute(0, 2, 3, 1).reshape(panels, nb, -1))
+        else:  # kscales: [P, nb, 8, 16 rows] scales, then mins
+            parts += [t.permute(0, 2, 3, 1).reshape(panels, nb, 128) for t in reference.k_scales(f)]
+    return torch.cat(parts, dim=-1).contiguous()  # [out / 16, blocks, packed bytes]
+
+
+def unpack_gguf(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``pack_gguf``'s inverse: the rows of blocks exactly as the file stores them, [out, blocks * bytes]."""
+    _, size = GGUF_BLOCKS[qtype]
+    panels, nb, _ = packed.shape
+    blocks = torch.empty(panels, 16, nb, size, dtype=torch.uint8, device=packed.device)  # any device: torch ops
+    at = 0
+    for kind, a, b in GGUF_FIELDS[qtype]:
+        n = b - a
+        if kind == "vec":
+            blocks[..., a:b] = packed[..., at:at + 16 * n].reshape(panels, nb, n // 4, 16, 4).permute(0, 3, 1, 2, 4).reshape(
+                panels, 16, nb, n)
+        elif kind == "row2":
+            blocks[..., a:b] = packed[..., at:at + 32].reshape(panels, nb, 16, 2).permute(0, 2, 1, 3)
+        elif kind == "col":
+            blocks[..., a:b] = packed[..., at:at + 16 * n].reshape(panels, nb, n, 16).permute(0, 3, 1, 2)
+        else:
+            sc, mn = (packed[..., at + i * 128:at + (i + 1) * 128].reshape(panels, nb, 8, 16).permute(0, 3, 1, 2)
+                      for i in (0, 1))
+            blocks[..., a:b] = _k_scales_packed(sc, mn)
+            n = 16  # 8 scales and 8 mins, a byte each
+        at += 16 * n if kind != "row2" else 32
+    return blocks.view(panels * 16, nb * size)
+
+
+def gemm_gguf(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """``kvwire_kernels.reference.linear_gguf`` (within fp32 round-off): x [rows, in] fp32, quantized per
+    block of 32, times the GGUF weight ``pack_gguf`` laid out -> [rows, out] fp32 (every build)."""
+    _check(x, torch.float32, "x")
+    _check(packed, torch.uint8, "packed")
+    panels, nb, _ = packed.shape
+    n_in = GGUF_BLOCKS[qtype][0] * nb
+    if x.shape[1] != n_in:
+        raise ValueError(f"gemm_gguf: x has {x.shape[1]} inputs, the packed weight {n_in}")
+    _check_f32(bias=bias, residual=residual)
+    y = torch.empty(x.shape[0], 16 * panels)
+    getattr(library(), f"kvw_gemm_{qtype.lower()}")(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), 16 * panels,
+                                                    y.data_ptr(), None, _ptr(bias), _ptr(residual),
+                                                    threads or torch.get_num_threads())
+    return y
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, in] fp32 (in % 32 == 0) -> what kvw_gemm_q* read: q [rows, in] int8, block scales and
+    block sums of q [rows, in / 32] (fp32, int32), half-block sums [rows, in / 16] int32."""
+    _check(x, torch.float32, "x")
+    rows, n = x.shape
+    q, s = torch.empty(rows, n, dtype=torch.int8), torch.empty(rows, n // 32)
+    sums, sums16 = torch.empty(rows, n // 32, dtype=torch.int32), torch.empty(rows, n // 16, dtype=torch.int32)
+    library().kvw_quantize_blocks(x.data_ptr(), rows, n, q.data_ptr(), s.data_ptr(), sums.data_ptr(), sums16.data_ptr())
+    return q, s, sums, sums16
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, torch.float32, "x")
     _check(w, torch.float32, "w")
@@ -390,6 +508,35 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, context
                                   _ptr(k_scale), _ptr(v_scale), block_size, block_tables.data_ptr(),
                                   block_tables.shape[1], context_lens.data_ptr(), window or 0, sm_scale,
                                   out.data_ptr(), int(k_scale is not None), threads or torch.get_num_threads())
+    return out
+
+
+MAX_PREFILL_HEAD_DIM = 128
+
+
+def supports_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    return head_dim % 16 == 0 and head_dim <= MAX_PREFILL_HEAD_DIM and num_heads % num_kv_heads == 0
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int, k_pos0: int,
+                      window: int | None, sm_scale: float, threads: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of a prompt's queries over keys that end with their own (flash, fp32).
+    q: [n, H, D] at positions q_pos0 ..; k, v: [m, Hkv, D] at positions k_pos0 .. k_pos0 + m - 1, which
+    must include every query's position. -> [n, H, D]. Equals ``kvwire.kv.dense.sdpa_gqa`` with the
+    causal (and window) mask within fp32 round-off; the same bits at any thread count."""
+    n, h, d = q.shape
+    m, hkv, _ = k.shape
+    if not supports_prefill_attention(h, hkv, d):
+        raise ValueError(f"unsupported attention shape: {h} heads, {hkv} kv heads, head_dim {d}")
+    if n and not (k_pos0 <= q_pos0 and q_pos0 + n <= k_pos0 + m):
+        raise ValueError(f"queries at {q_pos0}..{q_pos0 + n - 1} outside keys {k_pos0}..{k_pos0 + m - 1}")
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(t, torch.float32, name)
+    out = torch.empty_like(q)
+    if n:
+        library().kvw_prefill_attention(q.data_ptr(), n, h, hkv, d, k.data_ptr(), v.data_ptr(), m, q_pos0, k_pos0,
+                                        window or 0, sm_scale, out.data_ptr(), threads or torch.get_num_threads())
     return out
 
 

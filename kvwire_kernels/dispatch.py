@@ -1,4 +1,5 @@
-"""One dispatcher for the KV page ops: Triton on CUDA tensors, the PyTorch reference elsewhere.
+"""One dispatcher for the KV page ops and the GGUF block matmul: Triton on CUDA tensors, the
+PyTorch reference elsewhere.
 
 The choice is made per call from the tensors' device, never from the environment at import
 time. Triton is imported lazily, on the first CUDA call: CPU processes never load it (saving its
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 
 _triton_kv: types.ModuleType | None = None
 _triton_tried = False
+_triton_gguf: types.ModuleType | None = None  # the GGUF kernels: loaded, and given up on, apart from the KV ones
+_gguf_tried = False
 
 
 def _wants_triton(t: torch.Tensor) -> bool:
@@ -74,3 +77,32 @@ def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, 
     one sequence (a speculative verification) are several rows sharing a table, in one call."""
     return _call("paged_decode_attention", q, q, k_pages, v_pages, k_scale, v_scale, block_tables,
                  context_lens, window, sm_scale)
+
+
+def _gguf_kernels() -> types.ModuleType | None:
+    global _triton_gguf, _gguf_tried
+    if not _gguf_tried:
+        _gguf_tried = True
+        try:
+            from kvwire_kernels import triton_gguf
+            _triton_gguf = triton_gguf
+        except Exception as e:  # noqa: BLE001 - as _triton
+            log.warning("Triton is not usable (%s: %s); GGUF layers run the PyTorch reference", type(e).__name__, e)
+            _triton_gguf = None
+    return _triton_gguf
+
+
+def linear_gguf(x: torch.Tensor, raw: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ the GGUF weight ``raw`` (uint8 [out, bytes], the rows of blocks as stored)^T
+    (+ bias) -> [rows, out] fp32. On CUDA ``triton_gguf.linear`` (16-bit activations, W4A16), else, or
+    once that failed at launch (as ``_call``), ``reference.linear_gguf`` (int8 activation blocks)."""
+    global _triton_gguf
+    mod = _gguf_kernels() if _wants_triton(x) else None
+    if mod is not None:
+        try:
+            return mod.linear(x, raw, qtype, bias, out_dtype=torch.float32)
+        except Exception as e:  # noqa: BLE001
+            log.error("Triton kernel linear (%s) failed at launch (%s: %s); GGUF layers use the PyTorch reference "
+                      "from now on", qtype, type(e).__name__, e)
+            _triton_gguf = None
+    return reference.linear_gguf(x.float(), raw, qtype, bias)

@@ -176,3 +176,86 @@ def linear_i8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     y = (dots * s.double().T[..., None]).sum(0) * scale.double()  # [rows, out]
     y = y.float()
     return y if bias is None else y + bias
+
+
+
+GGUF_BLOCK_SIZES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
+                    "Q6_K": (256, 210)}  # (values, bytes) per block
+
+
+def k_scales(packed12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 scale bytes [..., 12] -> 6-bit scales and mins [..., 8] (gguf's ``get_scale_min``):
+    bytes 0-3 hold scales 0-3 and the top 2 bits of scales 4-7, bytes 4-7 the same for the mins,
+    bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble)."""
+    d, m, md = packed12[..., 0:4], packed12[..., 4:8], packed12[..., 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _f16(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.float16).float()
+
+
+def gguf_blocks(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GGUF rows of blocks, uint8 [out, bytes] -> per sub-block of B values (32; Q6_K 16): q [out, n, B]
+    fp32 integers, dq [out, n, 1] fp32, mq [out, n, 1] fp32 or None, value = dq * q (+ mq):
+    Q4_0 d, q - 8; Q4_1 d, q, m; Q8_0 d, q; Q4_K / Q5_K d * sc, q, -(dmin * mn) (6-bit scale and min,
+    both products exact in fp32); Q6_K d * sc (int8), q - 32. d, m, dmin fp16. Bit layouts: the
+    nibbles of Q4_0 / Q4_1 low ones first; K types: 32 bytes hold blocks 2g (low nibbles) and 2g + 1
+    of a 64-value group, Q5_K's fifth bit of value 32b + i is bit b of qh[i], Q6_K's nibble of value
+    128h + 64s + i is ql[64h + i]'s (s: high) and its 2 high bits those of qh[32h + i % 32] at 2 (i // 32 + 2 s)."""
+    values, size = GGUF_BLOCK_SIZES[qtype]
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, size)  # [out, blocks, bytes]
+    if qtype == "Q6_K":
+        ql = blocks[..., 0:128].reshape(out, -1, 2, 1, 64)
+        ql = torch.cat((ql & 0x0F, ql >> 4), dim=3).reshape(out, -1, 256)
+        qh = blocks[..., 128:192].reshape(out, -1, 2, 1, 32)
+        qh = torch.cat([(qh >> (2 * s)) & 3 for s in range(4)], dim=3).reshape(out, -1, 256)
+        q = ((ql | (qh << 4)).to(torch.int8) - 32).float().reshape(out, -1, 16)
+        dq = _f16(blocks[..., 208:210]) * blocks[..., 192:208].contiguous().view(torch.int8).float()  # [out, blocks, 16]
+        return q, dq.reshape(out, -1, 1), None
+    d = _f16(blocks[..., 0:2])  # [out, blocks, 1]
+    if qtype == "Q8_0":
+        return blocks[..., 2:].contiguous().view(torch.int8).float(), d, None
+    if qtype in ("Q4_K", "Q5_K"):
+        sc, mn = k_scales(blocks[..., 4:16])  # [out, blocks, 8]
+        qs = blocks[..., size - 128:].reshape(out, -1, 4, 1, 32)  # [out, blocks, group, 1, 32]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=3).reshape(out, -1, 8, 32)  # [out, blocks, 8, 32]
+        if qtype == "Q5_K":
+            qh = blocks[..., 16:48].reshape(out, -1, 1, 32)
+            q = q | (torch.cat([(qh >> b) & 1 for b in range(8)], dim=2) << 4)
+        dq = (d * sc.float()).reshape(out, -1, 1)
+        return q.float().reshape(out, -1, 32), dq, -(_f16(blocks[..., 2:4]) * mn.float()).reshape(out, -1, 1)
+    qs = blocks[..., size - 16:]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [out, blocks, 32]
+    if qtype == "Q4_0":
+        return (q.to(torch.int8) - 8).float(), d, None
+    return q.float(), d, _f16(blocks[..., 2:4])
+
+
+def dequantize_gguf(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF rows of blocks -> fp32 [out, in], the values ``gguf.quants.dequantize`` gives, bit for bit
+    (the same fp32 operations: dq * q, then + mq)."""
+    q, dq, mq = gguf_blocks(raw, qtype)
+    w = dq * q if mq is None else dq * q + mq
+    return w.reshape(raw.shape[0], -1)  # [out, in]
+
+
+def linear_gguf(x: torch.Tensor, raw: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF weights as stored x int8 activations (``quantize_act8``), the products exact:
+    y[r, o] = sum_j s[r, j] * (dq[o, j] * (q[o, j] . a[r, j]) + mq[o, j] * sum(a[r, j])) over the
+    weight's sub-blocks j (s: the scale of the activation block holding j) -> [rows, out] fp32."""
+    a, s = quantize_act8(x)
+    rows, n = a.shape
+    q, dq, mq = (None if t is None else t.double() for t in gguf_blocks(raw, qtype))
+    per = q.shape[-1]  # values per sub-block: 32, or 16
+    s = s.repeat_interleave(ACT8_BLOCK // per, dim=1)  # [rows, sub-blocks]
+    ab = a.reshape(rows, n // per, per).transpose(0, 1).double()  # [sub-blocks, rows, per]
+    dots = torch.bmm(ab, q.transpose(0, 1).transpose(1, 2))  # [sub-blocks, rows, out], exact integers
+    y = (dots * (s.double().T[..., None] * dq[..., 0].T[:, None, :])).sum(0)  # [rows, out]
+    if mq is not None:
+        y += (s.double() * ab.sum(-1).T) @ mq[..., 0].T
+    y = y.float()
+    return y if bias is None else y + bias

@@ -10,6 +10,7 @@ import logging
 from kvwire import metrics
 from kvwire.args import EngineArgs, parse_args
 from kvwire.model import gguf
+from kvwire.model.source import eos_token_ids
 from kvwire.runtime import load_runtime
 from kvwire_serving import cli, security
 from kvwire_serving.cores import compute_executor
@@ -40,7 +41,7 @@ async def serve(args: EngineArgs) -> None:
     metrics.watch_pool(runner.stats)  # KV pool use
     await loop.run_in_executor(compute, runner.warm_up)
     gguf.forget_readers()  # everything read from a GGUF model file is loaded by now
-    lazy.set(PrefillServicer(runner, compute))
+    lazy.set(PrefillServicer(runner, compute, eos_token_ids(args.model.model_dir, runtime.model_config)))
     await server.set_serving()
     log.info("prefill_svc SERVING on port %d", port)
     try:

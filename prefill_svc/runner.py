@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 
 from kvwire_serving.cores import CoreShare, use_threads
-from kvwire.engine.chunked import PrefixPrefill
 from kvwire.engine.prefix_cache import PrefixCache, cache_salt
 from kvwire.errors import ResourceExhausted, never_fits
 from kvwire.kv.pool import OutOfPages
@@ -91,16 +90,16 @@ class PrefillRunner:
                     start = 0
                     if self.prefix is not None:  # a cached prefix is attached, only the rest computed
                         start = self.prefix.attach(self.cache.tables, seq, tokens) * self.runtime.spec.block_size
-                    positions = self.cache.prepare([seq], [len(tokens) - start])
+                    positions = self.cache.prepare([seq], [len(tokens) - start], prefill=True)
                 except OutOfPages as e:
                     self.cache.reset(seq)
                     raise ResourceExhausted(f"the prefill KV pool is full of other prompts ({e}); retry later") from e
             try:
                 if self.cores is not None:
                     use_threads(self.cores.busy())
-                kv = PrefixPrefill(self.cache, seq, start, len(tokens) - start) if start else self.cache
+                # after a cached prefix: its pages dequantized, the rest at full precision (PagedKVCache)
                 logits = self.runtime.model(torch.tensor(tokens[start:]), positions,
-                                            _LayerHook(kv, on_layer, abort, self.cores),
+                                            _LayerHook(self.cache, on_layer, abort, self.cores),
                                             logits_rows=torch.tensor([len(tokens) - start - 1]))
             except BaseException:
                 self.release(seq)

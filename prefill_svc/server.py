@@ -17,7 +17,8 @@ from opentelemetry import trace
 from kvwire.engine.prefix_cache import page_hashes, reusable_pages
 from kvwire.errors import FailedPrecondition, InvalidRequest
 from kvwire.kv.wire import KVChunk, encode_layer
-from kvwire.sampler import sample
+from kvwire.logprobs import token_logprobs
+from kvwire.sampler import sample_first
 from kvwire.validation import RequestLimits, validate_request
 from prefill_svc.runner import PrefillRunner
 from protos import convert as conv
@@ -29,10 +30,15 @@ _DONE = -1
 
 
 class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, runner: PrefillRunner, executor: ThreadPoolExecutor | None = None):
+    def __init__(self, runner: PrefillRunner, executor: ThreadPoolExecutor | None = None,
+                 eos_ids: frozenset[int] | None = None):
+        """``eos_ids``: what min_tokens holds back at token 0 beside stop_token_ids, unless ignore_eos
+        (default: config.json's; decode_svc sends its whole stop set with ignore_eos, so its own
+        set is the one used)."""
         self.runner = runner
         self.runtime = runner.runtime
         cfg = runner.runtime.model_config
+        self.eos_ids = frozenset(cfg.eos_token_ids) if eos_ids is None else eos_ids
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings)
         # the thread that computes (kvwire_serving.cores.compute_executor: the one the model was loaded on)
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
@@ -115,10 +121,23 @@ class PrefillServicer(kvwire_pb2_grpc.PrefillServiceServicer):
                 # cancelled while the worker thread still finishes the forward, and its pages
                 # (owned by this stream on success) would never be released.
                 logits = await asyncio.shield(fut)
-                first = await loop.run_in_executor(self.executor, sample, logits, params, 0)  # tensor work: there
+                stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+                first = await loop.run_in_executor(self.executor, sample_first, logits, params, tokens,
+                                                   stops)  # tensor work: there
+                done = pb.PrefillDone(first_token=first, prompt_tokens=len(tokens))
+                # n > 1: choices 1..n-1's first tokens too, each from its own seed stream (seed + i)
+                done.choice_first_tokens.extend([await loop.run_in_executor(
+                    self.executor, sample_first, logits, params.for_choice(i), tokens, stops)
+                    for i in range(1, params.n)])
+                if params.logprobs is not None:
+                    lps = [(await loop.run_in_executor(self.executor, token_logprobs, logits[None], [t],
+                                                       params.logprobs))[0]
+                           for t in [first, *done.choice_first_tokens]]  # one row each, as decode computes them
+                    done.first_logprob.CopyFrom(conv.logprobs_to_pb(lps)[0])
+                    done.choice_first_logprobs.extend(conv.logprobs_to_pb(lps[1:]))
                 span.set_attributes({"kvwire.kv.bytes_sent": sent_bytes, "kvwire.first_token": first,
                                      "kvwire.kv.pages_skipped": skip})
-                yield pb.PrefillResponse(done=pb.PrefillDone(first_token=first, prompt_tokens=len(tokens)))
+                yield pb.PrefillResponse(done=done)
             finally:
                 end_stream()
 

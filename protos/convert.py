@@ -5,7 +5,8 @@ from kvwire.config import KVDtype, QuantMode
 from kvwire.fingerprint import Fingerprint
 from kvwire.kv.spec import KVPageSpec, ScaleDtype, ScaleGranularity
 from kvwire.errors import FailedPrecondition, InvalidRequest
-from kvwire.sampling_params import FinishReason, KVSourceChoice, SamplingParams, SpeculativeMode
+from kvwire.sampling_params import (FinishReason, KVSourceChoice, SamplingParams, SpeculativeMode, StructuredKind,
+                                   StructuredOutput, TokenLogprobs)
 from protos.kvwire.v1 import kvwire_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 128
@@ -23,7 +24,9 @@ _SPEC_MODE = {None: pb.SamplingParams.SPECULATIVE_MODE_UNSPECIFIED,
               SpeculativeMode.NGRAM: pb.SamplingParams.SPECULATIVE_MODE_NGRAM}
 _SPEC_MODE_BACK = {v: k for k, v in _SPEC_MODE.items()}
 _WEIGHTS_MODE = {QuantMode.NONE: pb.WEIGHTS_MODE_NONE, QuantMode.BF16: pb.WEIGHTS_MODE_BF16,
-                 QuantMode.INT8: pb.WEIGHTS_MODE_INT8, QuantMode.FP8: pb.WEIGHTS_MODE_FP8}
+                 QuantMode.INT8: pb.WEIGHTS_MODE_INT8, QuantMode.FP8: pb.WEIGHTS_MODE_FP8,
+                 QuantMode.GGUF: pb.WEIGHTS_MODE_GGUF, QuantMode.INT4: pb.WEIGHTS_MODE_INT4,
+                 QuantMode.INT4_AWQ: pb.WEIGHTS_MODE_INT4_AWQ}
 _WEIGHTS_MODE_BACK = {v: k.value for k, v in _WEIGHTS_MODE.items()}
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
@@ -62,7 +65,34 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         ignore_eos=m.ignore_eos,
         # An enum value this build does not know becomes a string validate() refuses by name.
         speculative=_SPEC_MODE_BACK.get(m.speculative, f"unknown enum value {m.speculative}"),
-        num_speculative_tokens=m.num_speculative_tokens if m.HasField("num_speculative_tokens") else None)
+        num_speculative_tokens=m.num_speculative_tokens if m.HasField("num_speculative_tokens") else None,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        min_p=m.min_p, logit_bias=dict(m.logit_bias), min_tokens=m.min_tokens,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        n=m.n if m.HasField("n") else 1,
+        structured=structured_from_pb(m.structured) if m.HasField("structured") else None)
+
+
+def structured_from_pb(m: pb.StructuredOutput) -> StructuredOutput:
+    """Unset kind (or json_object false) is left for validate() to refuse by name."""
+    kind = m.WhichOneof("kind")
+    if kind == "choice":
+        return StructuredOutput(StructuredKind.CHOICE, choices=tuple(m.choice.choices))
+    if kind == "json_object":
+        return StructuredOutput(StructuredKind.JSON_OBJECT if m.json_object else "json_object false")
+    if kind is None:
+        return StructuredOutput("unset (set one of json_schema, json_object, regex, choice, grammar)")
+    return StructuredOutput(StructuredKind(kind), getattr(m, kind))
+
+
+def structured_to_pb(s: StructuredOutput) -> pb.StructuredOutput:
+    if s.kind is StructuredKind.CHOICE:
+        return pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choices=list(s.choices)))
+    if s.kind is StructuredKind.JSON_OBJECT:
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(**{s.kind.value: s.spec})
 
 
 def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
@@ -74,7 +104,31 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
         m.speculative = _SPEC_MODE[p.speculative]
     if p.num_speculative_tokens is not None:
         m.num_speculative_tokens = p.num_speculative_tokens
+    m.presence_penalty, m.frequency_penalty, m.min_p, m.min_tokens = (p.presence_penalty, p.frequency_penalty,
+                                                                      p.min_p, p.min_tokens)
+    if p.repetition_penalty != 1.0:
+        m.repetition_penalty = p.repetition_penalty
+    m.logit_bias.update(dict(p.logit_bias))
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
+    if p.n != 1:
+        m.n = p.n
+    if p.structured is not None:
+        m.structured.CopyFrom(structured_to_pb(p.structured))
     return m
+
+
+def logprobs_to_pb(entries: list[TokenLogprobs]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
+            for e in entries]
+
+
+def logprobs_from_pb(msgs) -> list[TokenLogprobs]:
+    return [TokenLogprobs(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top_logprobs))
+            for m in msgs]
 
 
 def spec_to_pb(s: KVPageSpec) -> pb.KVPageSpec:

@@ -26,6 +26,8 @@ def service_config(args: EngineArgs) -> TokenizerServiceConfig:
         model_name=t.model_name or Path(args.model.model_dir).resolve().name,
         max_message_bytes=t.max_message_bytes, grace_s=s.grace_s, drain_delay_s=s.drain_delay_s,
         metrics_port=s.metrics_port, metrics_host=security.metrics_host(s), http_listen=t.http_listen,
+        cors_allowed_origins=tuple(o.strip() for o in t.cors_allowed_origins.split(",") if o.strip()),
+        http_metrics=t.http_metrics,
         max_prompt_bytes=t.max_prompt_bytes, max_prompt_tokens=t.max_prompt_tokens,
         tokenize_workers=t.tokenize_workers, reflection=not s.no_reflection,
         security=security.server_security(args.security), decode_security=security.client_security(args.peer),
@@ -52,7 +54,8 @@ async def serve(cfg: TokenizerServiceConfig, telemetry: Telemetry) -> None:
     if cfg.http_listen:  # bound before SERVING, so a ready front door has both doors open
         http = OpenAIHttpServer(servicer, cfg.model_name, max_body_bytes=cfg.max_message_bytes, grace_s=cfg.grace_s,
                                 tokens=cfg.security.interceptor().tokens if cfg.security.tokens_file else None,
-                                ssl_context=http_ssl_context(cfg.security))
+                                ssl_context=http_ssl_context(cfg.security), cors_origins=cfg.cors_allowed_origins,
+                                metrics=cfg.http_metrics)
         await http.start(cfg.http_listen)
     if router is not None:
         await router.start()

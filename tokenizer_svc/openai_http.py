@@ -16,28 +16,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import ssl
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator
 
 import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from kvwire import errors
+from kvwire import errors, metrics
 from kvwire_serving.security import TokenSet
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from tokenizer_svc.openai_errors import OpenAIError, invalid, model_not_found
-from tokenizer_svc.openai_protocol import (ParsedRequest, Responder, model_card, models_list, parse_json,
-                                           parse_request)
+from tokenizer_svc.openai_logprobs import CompletionLogprobs, chat_logprobs
+from tokenizer_svc.openai_protocol import (FINISH_REASONS, ParsedRequest, Responder, model_card, models_list,
+                                           parse_json, parse_request, total_usage)
+from tokenizer_svc.openai_sampling import unknown_fields
+from tokenizer_svc.openai_tools import ToolReply, call_dict
 from tokenizer_svc.server import TokenizerServicer
 
 log = logging.getLogger(__name__)
-UNTRACED_PATHS = frozenset({"/health"})  # probes would flood the trace backend
+LogprobsFormat = Callable[[Sequence[pb.TokenLogprob]], dict]  # a request's logprobs -> its response shape
+UNTRACED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes would flood the trace backend
 
 
 def split_host_port(listen: str) -> tuple[str, int]:
@@ -57,12 +64,43 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def echoed(parsed: ParsedRequest, first: pb.GenerateTextResponse, fmt: LogprobsFormat | None
+           ) -> tuple[str, dict | None]:
+    """The prompt's text and logprobs when a completions request asked for ``echo`` ("" and None
+    otherwise); ``first``: the pipeline's first message (it carries the prompt's tokens and logprobs)."""
+    if not parsed.echo:
+        return "", None
+    if not isinstance(fmt, CompletionLogprobs):
+        return parsed.request.text, None
+    return parsed.request.text, fmt.prompt(first.prompt_token_ids, first.prompt_logprobs)
+
+
+def best_first(logprobs: list[list[pb.TokenLogprob]]) -> list[int]:
+    """Choice indices by cumulative logprob of their tokens (raw log_softmax, summed), highest
+    first; ties keep the lower index first."""
+    return sorted(range(len(logprobs)), key=lambda i: -sum(e.logprob for e in logprobs[i]))
+
+
+async def first_piece(pieces: AsyncIterator[pb.GenerateTextResponse], parsed: ParsedRequest
+                      ) -> pb.GenerateTextResponse:
+    """The pipeline's first message; a constraint decode could not compile is a 400 naming the
+    param that set it (decode says INVALID_ARGUMENT "structured output ...")."""
+    try:
+        return await anext(pieces)
+    except Exception as e:
+        err = OpenAIError.from_exception(e)
+        if parsed.structured_param and err.status == 400 and err.message.startswith("structured output"):
+            raise invalid(err.message, parsed.structured_param) from e
+        raise
+
+
 class OpenAIHttpServer:
     """The aiohttp app and its listener; ``start`` inside the running grpc.aio event loop."""
 
     def __init__(self, servicer: TokenizerServicer, model: str, *, max_body_bytes: int = 8 << 20,
                  grace_s: float = 30.0, tracer_provider: trace.TracerProvider | None = None,
-                 tokens: TokenSet | None = None, ssl_context: ssl.SSLContext | None = None):
+                 tokens: TokenSet | None = None, ssl_context: ssl.SSLContext | None = None,
+                 cors_origins: tuple[str, ...] = (), metrics: bool = False):
         self.servicer = servicer
         self.model_id = model
         self.created = int(time.time())
@@ -70,13 +108,18 @@ class OpenAIHttpServer:
         self.tracer = trace.get_tracer("kvwire.tokenizer_svc.http", tracer_provider=tracer_provider)
         self.tokens = tokens  # None: no bearer token needed
         self.ssl_context = ssl_context  # None: plain HTTP
+        self.cors_origins = frozenset(cors_origins)  # empty: no CORS headers, preflights are 405 as before
         self.app = web.Application(client_max_size=max_body_bytes,
-                                   middlewares=[self._trace, self._errors, self._auth])
+                                   middlewares=[self._count, self._cors, self._trace, self._errors, self._auth])
+        if self.cors_origins:
+            self.app.on_response_prepare.append(self._with_cors)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model}", self.get_model)
         self.app.router.add_get("/health", self.health)
+        if metrics:
+            self.app.router.add_get("/metrics", self.metrics)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -103,6 +146,43 @@ class OpenAIHttpServer:
             self._runner = None
 
     # -- middlewares (outermost first) ------------------------------------------------------------
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every request in kvwire:http_requests_total by route template (never the raw path: bounded
+        label values), method and the status sent; 499 when the client left first."""
+        resource = request.match_info.route.resource
+        route = (resource.canonical if resource is not None else None) or "unmatched"
+        status = "499"
+        try:
+            response = await handler(request)
+            status = str(response.status)
+            return response
+        finally:
+            metrics.HTTP_REQUESTS.labels(route, request.method, status).inc()
+
+    def _cors_headers(self, request: web.Request) -> dict[str, str]:
+        """Access-Control-Allow-Origin for a request from an allowed origin (--cors-allowed-origins), else none."""
+        origin = request.headers.get("Origin")
+        if origin is None or not ("*" in self.cors_origins or origin in self.cors_origins):
+            return {}
+        return {"Access-Control-Allow-Origin": "*" if "*" in self.cors_origins else origin, "Vary": "Origin"}
+
+    async def _with_cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        """on_response_prepare: every response to an allowed origin, streamed ones included, says so."""
+        response.headers.update(self._cors_headers(request))
+
+    @web.middleware
+    async def _cors(self, request: web.Request, handler) -> web.StreamResponse:
+        """A CORS preflight (OPTIONS with Access-Control-Request-Method) from an allowed origin is
+        answered here, before auth: browsers send no credentials on it."""
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers \
+                and self._cors_headers(request):
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS", "Access-Control-Max-Age": "600",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                    "Authorization, Content-Type")})
+        return await handler(request)
 
     @web.middleware
     async def _trace(self, request: web.Request, handler) -> web.StreamResponse:
@@ -169,6 +249,11 @@ class OpenAIHttpServer:
     async def health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok"})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The process's Prometheus registry, as the --metrics-port listener serves it."""
+        body = generate_latest(REGISTRY)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def models(self, request: web.Request) -> web.Response:
         return _json(models_list(self.model_id, self.created))
 
@@ -185,7 +270,11 @@ class OpenAIHttpServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         request_id = uuid.uuid4().hex
-        parsed = parse_request(parse_json(await request.read()), chat, self.model_id, request_id)
+        body = parse_json(await request.read())
+        parsed = parse_request(body, chat, self.model_id, request_id, self.servicer.tok.sampling_defaults)
+        if ignored := unknown_fields(body):
+            log.warning("%s %s: ignoring fields that are neither OpenAI's nor vLLM's: %s", request.method,
+                        request.path, ", ".join(ignored))
         if chat and not self.servicer.tok.chat_template:
             raise invalid(f"the model {self.model_id} has no chat template; use /v1/completions with a prompt",
                           "messages", "no_chat_template")
@@ -195,45 +284,98 @@ class OpenAIHttpServer:
             async with contextlib.aclosing(self.servicer.generate_text(parsed.request, None)) as pieces:
                 # The first piece comes before any byte is sent, so errors found up to the first token
                 # (bad prompt, context too long, decode down) still get their own HTTP status.
-                first = await anext(pieces)
+                first = await first_piece(pieces, parsed)
+                fmts = [self._logprobs_format(parsed) for _ in range(parsed.best_of or parsed.n)]  # per choice
                 if not parsed.stream:
-                    return await self._whole(first, pieces, responder)
-                return await self._stream(request, parsed, first, pieces, responder)
+                    return await self._whole(parsed, first, pieces, responder, fmts)
+                return await self._stream(request, parsed, first, pieces, responder, fmts)
         finally:
             self.servicer.reclaim_after(parsed.request)  # a large body's memory back (tokenizer_svc/memory.py)
 
+    def _logprobs_format(self, parsed: ParsedRequest) -> LogprobsFormat | None:
+        """How this request's logprobs are written (None: not asked for)."""
+        if parsed.logprobs is None:
+            return None
+        tok = self.servicer.tok
+
+        def text_of(token_id: int) -> str:
+            return tok.decode([token_id], skip_special_tokens=False)
+        return functools.partial(chat_logprobs, text_of) if parsed.chat else CompletionLogprobs(text_of)
+
     @staticmethod
-    async def _whole(first: pb.GenerateTextResponse, rest: AsyncIterator[pb.GenerateTextResponse],
-                     responder: Responder) -> web.Response:
-        texts, last = [first.text], first
-        async for piece in rest:
-            texts.append(piece.text)
-            last = piece if piece.finish_reason else last
-        return _json(responder.full("".join(texts), last.finish_reason, last.usage),
+    async def _whole(parsed: ParsedRequest, first: pb.GenerateTextResponse,
+                     rest: AsyncIterator[pb.GenerateTextResponse], responder: Responder,
+                     fmts: list[LogprobsFormat | None]) -> web.Response:
+        """Every choice's pieces gathered by index (n > 1: they arrive interleaved); with best_of,
+        the n of highest cumulative logprob, best first (vLLM's order)."""
+        n = parsed.best_of or parsed.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[pb.TokenLogprob]] = [[] for _ in range(n)]
+        lasts: list[pb.GenerateTextResponse | None] = [None] * n
+        piece: pb.GenerateTextResponse | None = first
+        while piece is not None:
+            texts[piece.index].append(piece.text)
+            logprobs[piece.index] += piece.logprobs
+            if piece.finish_reason:
+                lasts[piece.index] = piece
+            piece = await anext(rest, None)
+        order = range(n) if parsed.best_of is None else best_first(logprobs)[:parsed.n]
+        choices = []
+        for i in order:
+            fmt = fmts[i]
+            prompt_text, prompt_lps = echoed(parsed, first, fmt)
+            completion_lps = fmt(logprobs[i]) if fmt is not None else None
+            if prompt_lps is not None:
+                completion_lps = CompletionLogprobs.joined(prompt_lps, completion_lps)
+            finish = lasts[i].finish_reason if lasts[i] else 0
+            if parsed.tools is None:
+                choices.append((prompt_text + "".join(texts[i]), finish, completion_lps))
+                continue
+            reply = ToolReply(parsed.tools)
+            content, calls = reply.final("".join(texts[i]))
+            choices.append((content, reply.finish_reason(calls, FINISH_REASONS.get(finish)), completion_lps,
+                            [call_dict(c) for c in calls]))
+        return _json(responder.full(choices, total_usage([lasts[i] for i in order if lasts[i] is not None])),
                      headers={"X-Request-Id": responder.request_id})
 
     @staticmethod
     async def _stream(request: web.Request, parsed: ParsedRequest, first: pb.GenerateTextResponse,
-                      rest: AsyncIterator[pb.GenerateTextResponse], responder: Responder) -> web.StreamResponse:
+                      rest: AsyncIterator[pb.GenerateTextResponse], responder: Responder,
+                      fmts: list[LogprobsFormat | None]) -> web.StreamResponse:
+        """Chunks carry their choice's index; each choice ends with a chunk of its finish reason."""
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
             "X-Request-Id": responder.request_id})
         await response.prepare(request)
         try:
-            if parsed.chat:
-                await response.write(_sse(responder.chunk(None, first=True)))
-            piece, last = first, None
-            while True:
-                if piece.text:
-                    await response.write(_sse(responder.chunk(piece.text)))
+            for i, fmt in enumerate(fmts):
+                if parsed.chat:
+                    await response.write(_sse(responder.chunk(None, first=True, index=i)))
+                prompt_text, prompt_lps = echoed(parsed, first, fmt)
+                if parsed.echo:  # the prompt first, as vLLM streams it
+                    await response.write(_sse(responder.chunk(prompt_text, logprobs=prompt_lps, index=i)))
+            piece, lasts = first, []
+            replies = {i: ToolReply(parsed.tools) for i in range(len(fmts))} if parsed.tools is not None else {}
+            while piece is not None:
+                i, fmt = piece.index, fmts[piece.index]
+                reply = replies.get(i)
+                text, deltas = reply.piece(piece.text) if reply is not None else (piece.text, [])
+                if text or deltas or (fmt is not None and piece.logprobs):  # text held back: its logprobs still go
+                    await response.write(_sse(responder.chunk(text, logprobs=fmt(piece.logprobs)
+                                                              if fmt is not None else None, index=i,
+                                                              tool_calls=deltas)))
                 if piece.finish_reason:
-                    last = piece
-                    await response.write(_sse(responder.chunk(None, piece.finish_reason)))
+                    lasts.append(piece)
+                    reason: int | str | None = piece.finish_reason
+                    if reply is not None:  # the calls held back (auto) go now
+                        tail, deltas, calls = reply.end()
+                        if tail or deltas:
+                            await response.write(_sse(responder.chunk(tail, index=i, tool_calls=deltas)))
+                        reason = reply.finish_reason(calls, FINISH_REASONS.get(piece.finish_reason))
+                    await response.write(_sse(responder.chunk(None, reason, index=i)))
                 piece = await anext(rest, None)
-                if piece is None:
-                    break
-            if parsed.include_usage and last is not None:
-                await response.write(_sse(responder.usage_chunk(last.usage)))
+            if parsed.include_usage and lasts:
+                await response.write(_sse(responder.usage_chunk(total_usage(lasts))))
         except ConnectionError:
             return response  # the client left; closing the pipeline (our caller) cancels decode
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band, as vLLM does

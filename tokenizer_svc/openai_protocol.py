@@ -1,37 +1,22 @@
 """OpenAI's chat/completions JSON <-> the front door's GenerateTextRequest (parsing, validation, responses).
 
 Transport-free: ``openai_http`` does the HTTP. Requests are checked field by field so a bad value
-is a 400 naming its ``param``; the sampling rules themselves are ``SamplingParams.validate()``'s,
-not repeated here. Fields OpenAI defines that kvwire cannot honour (``n`` > 1, logprobs, tools,
-penalties) are refused rather than silently ignored; unknown fields are ignored, as vLLM does.
+is a 400 naming its ``param``; the sampling fields (read, refused, defaulted) are ``openai_sampling``'s.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvwire.sampling_params import SamplingParams
-from protos import convert as conv
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from tokenizer_svc.openai_errors import invalid, model_not_found
+from tokenizer_svc.openai_sampling import best_of, boolean, response_format, sampling
+from tokenizer_svc.openai_tools import ToolRequest, message_calls, parse_tools
 from tokenizer_svc.server import validate_stops
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses the service's
-MAX_SEED = 2**64 - 1
-
-# OpenAI fields kvwire refuses unless they carry their no-op value.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,), "response_format": (None, {"type": "text"}),
-}
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -71,35 +56,6 @@ def _not_unicode(v: Any, path: str) -> str | None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-# -- field readers (each names its param on a bad value) ------------------------------------------
-
-def _number(body: dict, name: str) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise invalid(f"{name} must be a finite number, got {json.dumps(v)}", name)
-    return float(v)
-
-
-def _integer(body: dict, name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise invalid(f"{name} must be an integer, got {json.dumps(v)}", name)
-    return v
-
-
-def _boolean(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(f"{name} must be true or false, got {json.dumps(v)}", name)
-    return v
-
-
 def _stops(body: dict) -> list[str]:
     v = body.get("stop")
     stops = [] if v is None else [v] if isinstance(v, str) else v
@@ -118,47 +74,14 @@ class ParsedRequest:
     chat: bool
     stream: bool
     include_usage: bool
-
-
-def _sampling(body: dict, chat: bool) -> pb.SamplingParams:
-    n = _integer(body, "n")
-    if n is not None and n != 1:
-        raise invalid(f"n must be 1 (kvwire returns one choice per request), got {n}", "n")
-    for name, allowed in _UNSUPPORTED.items():
-        if body.get(name) not in allowed:
-            raise invalid(f"{name} is not supported by this server; leave it unset", name, "unsupported_parameter")
-    values: dict[str, tuple[str, Any]] = {}  # SamplingParams field -> (OpenAI param, value)
-    for param in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are given
-        if (v := _integer(body, param)) is not None:
-            values["max_tokens"] = (param, v)
-            break
-    else:
-        if not chat:
-            values["max_tokens"] = ("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
-    for param, read in (("temperature", _number), ("top_p", _number), ("top_k", _integer), ("seed", _integer)):
-        if (v := read(body, param)) is not None:
-            values[param] = (param, v)
-    if body.get("ignore_eos") is not None:  # vLLM's extension: generate max_tokens whatever the model says
-        if not isinstance(body["ignore_eos"], bool):
-            raise invalid(f"ignore_eos must be a boolean, got {body['ignore_eos']!r}", "ignore_eos")
-        values["ignore_eos"] = ("ignore_eos", body["ignore_eos"])
-    if "seed" in values and not 0 <= values["seed"][1] <= MAX_SEED:
-        raise invalid(f"seed must be in [0, 2^64), got {values['seed'][1]}", "seed")
-    # Each field alone first, so a refusal names the param; then all together.
-    for field, (param, v) in values.items():
-        try:
-            SamplingParams(**{field: v}).validate()
-        except ValueError as e:
-            raise invalid(str(e), param) from e
-    params = SamplingParams(**{f: v for f, (_, v) in values.items()})
-    try:
-        params.validate()
-    except ValueError as e:
-        raise invalid(str(e), None) from e
-    m = conv.sampling_to_pb(params)
-    if "max_tokens" not in values:
-        m.ClearField("max_tokens")  # unset: the service's default
-    return m
+    echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs if asked)
+    logprobs: int | None = None  # top logprobs asked for (0: the tokens' own only); None: no logprobs
+    n: int = 1  # choices returned (each streamed with its index)
+    # completions' best_of > n: choices generated (request.sampling.n; logprobs asked for to rank
+    # them), of which the n with the highest cumulative logprob are returned; None: all are returned
+    best_of: int | None = None
+    structured_param: str | None = None  # the param that constrained the output (response_format, guided_*)
+    tools: ToolRequest | None = None  # chat with tools in play (tool_choice not "none")
 
 
 def _content(v: Any, i: int) -> str:
@@ -175,16 +98,22 @@ def _content(v: Any, i: int) -> str:
     raise invalid("content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def _messages(body: dict) -> pb.ChatMessages:
+def _messages(body: dict, tools: ToolRequest | None) -> pb.ChatMessages:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list of {role, content}", "messages")
-    out = pb.ChatMessages()
+    out = pb.ChatMessages(tools_json=json.dumps(tools.tools, ensure_ascii=False) if tools else "")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid("each message must be an object with a string role", f"messages[{i}]")
         role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
-        out.messages.add(role=role, content=_content(m.get("content"), i))
+        calls = message_calls(m, i)
+        for name in ("tool_call_id", "name"):
+            if m.get(name) is not None and not isinstance(m[name], str):
+                raise invalid(f"{name} must be a string", f"messages[{i}].{name}")
+        out.messages.add(role=role, content=_content(m.get("content"), i),
+                         tool_calls_json=json.dumps(calls, ensure_ascii=False) if calls else "",
+                         tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
     return out
 
 
@@ -201,24 +130,47 @@ def _prompt(body: dict) -> str:
     return p
 
 
-def parse_request(body: dict, chat: bool, served_model: str, request_id: str) -> ParsedRequest:
+def parse_request(body: dict, chat: bool, served_model: str, request_id: str,
+                  defaults: dict[str, float] | None = None) -> ParsedRequest:
+    """``defaults``: the model's generation_config.json sampling values (ModelTokenizer.sampling_defaults),
+    taken by fields the request omits; temperature falls back to 1.0 (OpenAI's, vLLM's)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required (GET /v1/models lists the served model)", "model",
                       "missing_required_parameter")
     if model != served_model:
         raise model_not_found(model)
-    stream = _boolean(body, "stream")
+    stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options must be an object", "stream_options")
-    include_usage = _boolean(options or {}, "include_usage")
-    req = pb.GenerateTextRequest(request_id=request_id, sampling=_sampling(body, chat), stops=_stops(body))
+    include_usage = boolean(options or {}, "include_usage")
+    structured = response_format(body)
+    tools = parse_tools(body) if chat else None
+    if not chat and body.get("tools") not in (None, []):
+        raise invalid("tools are for /v1/chat/completions", "tools", "unsupported_parameter")
+    if tools is not None and (forced := tools.constraint()) is not None:
+        if structured is not None:
+            raise invalid(f"tool_choice {tools.choice!r} constrains the output already; leave {structured[0]} unset",
+                          structured[0])
+        structured = forced
+    req = pb.GenerateTextRequest(request_id=request_id, sampling=sampling(body, chat, defaults or {}, structured),
+                                 stops=_stops(body))
     if chat:
-        req.chat.CopyFrom(_messages(body))
+        req.chat.CopyFrom(_messages(body, tools))
     else:
         req.text = _prompt(body)
-    return ParsedRequest(req, chat, stream, include_usage)
+    if chat and body.get("echo") not in (None, False):  # vLLM's chat echo: not implemented
+        raise invalid("echo is not supported by this server on chat; leave it unset", "echo", "unsupported_parameter")
+    logprobs = req.sampling.logprobs if req.sampling.HasField("logprobs") else None
+    n = req.sampling.n if req.sampling.HasField("n") else 1
+    k = best_of(body, chat)
+    if k is not None and k > n:  # generate k; their logprobs rank them (dropped unless asked for)
+        req.sampling.n = k
+        if logprobs is None:
+            req.sampling.logprobs = 0
+    return ParsedRequest(req, chat, stream, include_usage, not chat and boolean(body, "echo"), logprobs, n,
+                         k if k is not None and k > n else None, structured[0] if structured else None, tools)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -242,29 +194,46 @@ class Responder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices, **extra, "usage": usage}
 
-    def full(self, text: str, finish: int, usage: pb.Usage) -> dict[str, Any]:
-        reason = FINISH_REASONS.get(finish)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": reason}
-            return self._envelope("chat.completion", [choice], usage_dict(usage))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return self._envelope("text_completion", [choice], usage_dict(usage))
+    def full(self, choices: list[tuple], usage: pb.Usage) -> dict[str, Any]:
+        """``choices``: (text, finish reason, logprobs already in their shape: tokenizer_svc.openai_logprobs
+        [, chat's tool_calls]) by index, the reason a FinishReason value or its name; ``usage``: the
+        prompt's tokens once, the choices' completion tokens summed."""
+        out = []
+        for i, (text, finish, logprobs, *calls) in enumerate(choices):
+            reason = finish if isinstance(finish, str) else FINISH_REASONS.get(finish)
+            if self.chat:
+                message = {"role": "assistant", "content": text, "refusal": None}
+                if calls and calls[0]:
+                    message["tool_calls"] = calls[0]
+                out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
+            else:
+                out.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+        return self._envelope("chat.completion" if self.chat else "text_completion", out, usage_dict(usage))
 
-    def chunk(self, text: str | None, finish: int = 0, first: bool = False) -> dict[str, Any]:
-        """A streamed piece; ``first`` (chat only) carries the assistant role."""
-        reason = FINISH_REASONS.get(finish)
+    def chunk(self, text: str | None, finish: int | str = 0, first: bool = False, logprobs: dict | None = None,
+              index: int = 0, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+        """A streamed piece of choice ``index``; ``first`` (chat only) carries the assistant role;
+        ``logprobs``: its tokens'; ``tool_calls``: chat's tool-call deltas ({"index", ...})."""
+        reason = finish if isinstance(finish, str) else FINISH_REASONS.get(finish)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return self._envelope("chat.completion.chunk", [choice], None)
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         return self._envelope("text_completion", [choice], None)
 
     def usage_chunk(self, usage: pb.Usage) -> dict[str, Any]:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage_dict(usage))
+
+
+def total_usage(lasts: list[pb.GenerateTextResponse]) -> pb.Usage:
+    """The request's usage from each choice's last message: prompt tokens once, completions summed."""
+    return pb.Usage(prompt_tokens=lasts[0].usage.prompt_tokens if lasts else 0,
+                    completion_tokens=sum(m.usage.completion_tokens for m in lasts))
 
 
 def usage_dict(u: pb.Usage) -> dict[str, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ class TokenizerServiceConfig:
     metrics_port: int | None = None
     metrics_host: str | None = None  # None: --listen's host
     http_listen: str | None = None  # host:port of the OpenAI-compatible HTTP door; off if None
+    cors_allowed_origins: tuple[str, ...] = ()  # the HTTP door's CORS origins ("*": any); none: CORS off
+    http_metrics: bool = False  # /metrics on the HTTP door's port too
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS
@@ -91,9 +94,33 @@ def validate_stops(stops: Sequence[str]) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def json_list(text: str, what: str) -> list[dict] | None:
+    """A ``*_json`` field of ChatMessages: a JSON list of objects, or None when empty."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise errors.InvalidRequest(f"{what} is not valid JSON: {e}") from e
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise errors.InvalidRequest(f"{what} must be a JSON list of objects")
+    return value
+
+
+def chat_messages(chat: pb.ChatMessages) -> list[ChatMessage]:
+    out = []
+    for i, m in enumerate(chat.messages):
+        calls = json_list(m.tool_calls_json, f"messages[{i}].tool_calls_json") or []
+        if not all(isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str) for c in calls):
+            raise errors.InvalidRequest(f"messages[{i}].tool_calls_json: each call needs function.name")
+        out.append(ChatMessage(m.role, m.content, tuple(calls), m.tool_call_id, m.name))
+    return out
+
+
 def prompt_bytes(kind: str | None, text: str, chat: pb.ChatMessages) -> int:
     if kind == "chat":
-        return sum(len(m.role.encode()) + len(m.content.encode()) for m in chat.messages)
+        return sum(len(m.role.encode()) + len(m.content.encode()) + len(m.tool_calls_json.encode())
+                   for m in chat.messages) + len(chat.tools_json.encode())
     return len(text.encode())
 
 
@@ -125,7 +152,7 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
         if not self.tok.chat_template:
             raise errors.FailedPrecondition("this model has no chat template; send a text prompt")
         try:
-            text = self.tok.apply_chat_template([ChatMessage(m.role, m.content) for m in chat.messages])
+            text = self.tok.apply_chat_template(chat_messages(chat), tools=json_list(chat.tools_json, "tools_json"))
         except jinja2.TemplateError as e:
             raise errors.InvalidRequest(f"the chat template rejected the messages: {e}") from e
         return self._encode_text(text, add_special=False)  # the template places the special tokens
@@ -244,51 +271,75 @@ class TokenizerServicer(pb_grpc.TokenizerServiceServicer):
             pb.GenerateTokensRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                      sampling=conv.sampling_to_pb(params), kv_source=conv.kv_source_to_pb(kv_source)),
             timeout=timeout)
-        detok = IncrementalDetokenizer(self._detok_decode, context_ids=prompt_ids)
-        matcher = StopStringMatcher(stops)
-        completion, done = 0, False
+        n = params.n
+        # per choice: its detokenizer and stop-string matcher, its completion tokens, ended here or not
+        detoks = [IncrementalDetokenizer(self._detok_decode, context_ids=prompt_ids) for _ in range(n)]
+        matchers = [StopStringMatcher(stops) for _ in range(n)]
+        completion, ended, reasons = [0] * n, [False] * n, [""] * n
+        first: dict = {}  # what the first message to our caller carries beside its tokens
+        started = False
         try:
             with tracer.start_as_current_span("detokenize"):
                 async for msg in call:
-                    ids = list(msg.token_ids)
-                    completion += len(ids)
+                    i = msg.index
+                    if not 0 <= i < n:
+                        raise errors.Unavailable(f"the decode service sent choice {i} of a request for n={n}")
+                    if ended[i]:
+                        continue  # ended here by a stop string: the rest of this choice is not wanted
+                    ids, logprobs = list(msg.token_ids), list(msg.logprobs)
+                    if params.prompt_logprobs is not None and not started:
+                        first = {"prompt_token_ids": prompt_ids, "prompt_logprobs": list(msg.prompt_logprobs)}
+                    started = True
+                    completion[i] += len(ids)
                     timer.tokens(len(ids))
                     finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                    text, dropped = detok.add(ids), False
+                    text, dropped = detoks[i].add(ids), False
                     if finished:  # an incomplete last character is dropped, never sent as U+FFFD
-                        tail, dropped = detok.finish()
+                        tail, dropped = detoks[i].finish()
                         text += tail
-                    safe, matched = matcher.feed(text)
+                    safe, matched = matchers[i].feed(text)
+                    usage = pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion[i])
                     if matched is not None:
-                        call.cancel()  # the rest of the generation is not wanted
-                        timer.finish(FinishReason.STOP.value)
-                        yield self._last(span, safe, ids, pb.FINISH_REASON_STOP,
-                                         pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion),
-                                         matched)
-                        return
+                        ended[i], reasons[i] = True, FinishReason.STOP.value
+                        if all(ended):
+                            call.cancel()  # the rest of the generation is not wanted
+                            self._finish(span, timer, reasons, completion)
+                        yield self._last(safe, ids, pb.FINISH_REASON_STOP, usage, i, matched, logprobs=logprobs,
+                                         **first)
+                        first = {}
+                        if all(ended):
+                            return
+                        continue
                     if finished:
-                        usage = msg.usage if msg.HasField("usage") else pb.Usage(
-                            prompt_tokens=len(prompt_ids), completion_tokens=completion)
-                        timer.finish(conv.finish_from_pb(msg.finish_reason).value)
-                        yield self._last(span, safe + matcher.flush(), ids, msg.finish_reason, usage,
-                                         partial_dropped=dropped)
-                        done = True
+                        if msg.HasField("usage"):
+                            usage = msg.usage
+                        ended[i], reasons[i] = True, conv.finish_from_pb(msg.finish_reason).value
+                        if all(ended):
+                            self._finish(span, timer, reasons, completion)
+                        yield self._last(safe + matchers[i].flush(), ids, msg.finish_reason, usage, i,
+                                         partial_dropped=dropped, logprobs=logprobs, **first)
+                        first = {}
                         continue  # read on to the stream's end, so the call (and its span) completes
                     if safe or ids:
-                        yield pb.GenerateTextResponse(text=safe, token_ids=ids)
-            if not done:
+                        yield pb.GenerateTextResponse(text=safe, token_ids=ids, logprobs=logprobs, index=i, **first)
+                        first = {}
+            if not all(ended):
                 raise errors.Unavailable("the decode service ended the stream without a finish reason")
         finally:
             call.cancel()  # no-op after a normal end; cancels decode when our caller went away
             decode.release()
 
     @staticmethod
-    def _last(span, text: str, ids: list[int], reason: int, usage: pb.Usage,
-              stop_string: str = "", partial_dropped: bool = False) -> pb.GenerateTextResponse:
-        span.set_attributes({
-            "gen_ai.usage.output_tokens": usage.completion_tokens,
-            "gen_ai.response.finish_reasons": [conv.finish_from_pb(reason).value],
-        })
-        return pb.GenerateTextResponse(text=text, token_ids=ids, finish_reason=reason, usage=usage,
-                                       stop_string=stop_string, partial_character_dropped=partial_dropped)
+    def _finish(span, timer: metrics.RequestTimer, reasons: list[str], completion: list[int]) -> None:
+        """Every choice has ended: the request's metrics and span attributes."""
+        timer.finish(reasons[0])  # one request: counted under choice 0's reason
+        span.set_attributes({"gen_ai.usage.output_tokens": sum(completion),
+                             "gen_ai.response.finish_reasons": reasons})
 
+    @staticmethod
+    def _last(text: str, ids: list[int], reason: int, usage: pb.Usage, index: int,
+              stop_string: str = "", partial_dropped: bool = False,
+              logprobs: Sequence[pb.TokenLogprob] = (), **first) -> pb.GenerateTextResponse:
+        return pb.GenerateTextResponse(text=text, token_ids=ids, finish_reason=reason, usage=usage,
+                                       stop_string=stop_string, partial_character_dropped=partial_dropped,
+                                       logprobs=logprobs, index=index, **first)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one bounded run: the Triton KV kernels compiled on the device
-# against the PyTorch reference, the engine there against the CPU engine, then the kernel and
+# The checks that need a CUDA GPU, in one bounded run: the Triton KV and GGUF kernels compiled on the
+# device against the PyTorch reference, the engine there against the CPU engine, then the kernel and
 # engine benchmarks. CI has no GPU (those tests skip there); run this on a machine that has one:
 #
 #     bash tools/gpu_check.sh [OUT_DIR]        # logs and bench reports land in OUT_DIR (default bench/out/gpu)
@@ -18,11 +18,15 @@ $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
     | tee -a "$out/gpu.txt"
 
 echo "== tests on the GPU"
-timeout 300 $py -m pytest -q -p no:cacheprovider -rfE -s tests/kvwire_kernels/test_kernels.py tests/engine/test_cuda.py \
+timeout 300 $py -m pytest -q -p no:cacheprovider -rfE -s tests/kvwire_kernels/test_kernels.py \
+    tests/kvwire_kernels/test_gguf_triton.py tests/engine/test_cuda.py \
     2>&1 | tee "$out/pytest.log" | grep -v "^tests/.*PASSED" | tail -40
 
 echo "== bench kernels"
 timeout 180 $py -m bench kernels --out "$out" 2>&1 | grep -v "attention cases" | tail -75
+
+echo "== bench gguf-kernels (Triton W4A16 against a bf16 matmul, TinyLlama-1.1B shapes)"
+timeout 240 $py -m bench gguf-kernels --out "$out" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -130
 
 echo "== bench engine on the GPU"
 for model in smollm2-135m tinyllama-1.1b; do

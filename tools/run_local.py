@@ -39,15 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--http-port", type=int, default=8000,
                     help="port of the OpenAI-compatible HTTP API on 127.0.0.1 (a free one if it is taken)")
-    ap.add_argument("--prefill-replicas", type=int, default=1, help="prefill_svc processes (decode balances over them)")
+    ap.add_argument("--prefill-replicas", type=int, default=1, help="prefill_svc processes (decode balances over them; "
+                    "0: none, decode_svc prefills every prompt itself on every core)")
     ap.add_argument("--decode-replicas", type=int, default=1, help="decode_svc processes (the front door balances "
                     "over them)")
     ap.add_argument("--decode-routing", choices=[m.value for m in DecodeRouting],
                     default=DecodeRouting.ROUND_ROBIN.value,
                     help="how the front door picks a decode replica (tokenizer_svc --decode-routing)")
     args = ap.parse_args(argv)
-    if args.prefill_replicas < 1 or args.decode_replicas < 1:
-        ap.error("--prefill-replicas and --decode-replicas must be >= 1")
+    if args.prefill_replicas < 0 or args.decode_replicas < 1:
+        ap.error("--prefill-replicas must be >= 0 and --decode-replicas >= 1")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvwire-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     with socket.socket() as probe:  # the demo must not fail because something else has port 8000
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(logs in {log_dir}) ...", file=sys.stderr)
     with stack:
         print(f"all SERVING after {time.perf_counter() - t:.1f} s: tokenizer_svc {stack.addr('tokenizer_svc')}, "
-              f"decode_svc {stack.target('decode_svc')}, prefill_svc {stack.target('prefill_svc')}; "
+              f"decode_svc {stack.target('decode_svc')}, prefill_svc {stack.target('prefill_svc') or 'none'}; "
               f"OpenAI-compatible HTTP at http://127.0.0.1:{http_port}/v1", file=sys.stderr)
         sampling = pb.SamplingParams(max_tokens=args.max_tokens)
         if args.chat:

@@ -103,7 +103,9 @@ class Stack:
     """The three services on loopback; ``prefill_replicas`` / ``decode_replicas`` > 1 start that many
     processes of a service (names "decode_svc", "decode_svc.1", ...), and its peers reach them through
     one ``ipv4:127.0.0.1:p1,127.0.0.1:p2`` target: gRPC round_robin over the addresses, as
-    ``dns:///`` gives on Kubernetes. ``metrics``: each process serves /metrics on its own port."""
+    ``dns:///`` gives on Kubernetes. ``prefill_replicas=0``: no prefill_svc, decode_svc prefills
+    every prompt itself on every core (the small-host shape). ``metrics``: each process serves
+    /metrics on its own port."""
     model_dir: Path = DEFAULT_MODEL_DIR
     weights: str = "none"
     kv_dtype: str = "fp8_e4m3"
@@ -125,7 +127,7 @@ class Stack:
     def replicas(self, service: str) -> list[str]:
         """The process names of ``service``'s replicas, the first one named as the service."""
         n = {"prefill_svc": self.prefill_replicas, "decode_svc": self.decode_replicas}.get(service, 1)
-        return [service] + [f"{service}.{i}" for i in range(1, n)]
+        return [service] + [f"{service}.{i}" for i in range(1, n)] if n else []
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -133,6 +135,8 @@ class Stack:
     def target(self, service: str) -> str:
         """How a peer reaches every replica of ``service``: one address, or an ``ipv4:`` list."""
         names = self.replicas(service)
+        if not names:
+            return ""
         if len(names) == 1:
             return self.addr(names[0])
         return "ipv4:" + ",".join(self.addr(n) for n in names)
@@ -144,14 +148,17 @@ class Stack:
         if service != "tokenizer_svc":
             pages = self.decode_pages if service == "decode_svc" else self.prefill_pages
             flags += ["--weights", self.weights, "--kv-dtype", self.kv_dtype, "--num-pages", str(pages)]
-        if service == "decode_svc":
+        prefill = bool(self.replicas("prefill_svc"))
+        if service == "decode_svc" and prefill:
             flags += ["--prefill-addr", self.target("prefill_svc")]
         extra = self.extra.get(service, [])
-        # --threads: split_cpus(this process's usable CPUs), unless given in extra or OMP_NUM_THREADS is set
-        threads = {} if "OMP_NUM_THREADS" in {**os.environ, **self.env} else split_cpus(usable_cpus())
+        # --threads: split_cpus(this process's usable CPUs) (every one for decode without prefill_svc),
+        # unless given in extra or OMP_NUM_THREADS is set
+        threads = {} if "OMP_NUM_THREADS" in {**os.environ, **self.env} else \
+            split_cpus(usable_cpus()) if prefill else {"decode_svc": usable_cpus()}
         if service in threads and "--threads" not in extra:
             flags += ["--threads", str(threads[service])]
-        if service in threads and self.cores_file is not None and "--share-cores" not in extra:
+        if service in threads and prefill and self.cores_file is not None and "--share-cores" not in extra:
             flags += ["--share-cores", str(self.cores_file)]
         if service == "tokenizer_svc":
             flags += ["--decode-addr", self.target("decode_svc")]

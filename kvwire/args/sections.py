@@ -16,6 +16,7 @@ DEFAULT_DRAIN_DELAY_S = 5.0  # long enough for a Kubernetes endpoint update to r
 # Mirrors of defaults owned by torch-importing or service modules (tests/kvwire/test_args.py keeps them equal).
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # decode_svc.remote_prefill
 SPEC_NGRAM_MAX, SPEC_GREEDY_MAX_BATCH = 16, 2  # kvwire.spec.SpecConfig
+MAX_NUM_BATCHED_TOKENS, PREFILL_CHUNK = 512, 256  # kvwire.engine.scheduler.SchedulerConfig
 ROUTING_LOAD_FACTOR = 1.25  # tokenizer_svc.routing.RoutingConfig
 FRONT_DOOR_MESSAGE_BYTES, MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, TOKENIZE_WORKERS = 2 << 20, 1 << 20, 131_072, 2
 
@@ -67,7 +68,10 @@ class ModelArgs(Section):
     model_dir: Path = arg(DEFAULT_MODEL_DIR, "local HF model directory (config.json + safetensors), a .gguf file "
                           "or a directory holding one, or a fetched model's name (python -m tools.fetch_model --list)")
     weights: WeightsMode = arg(WeightsMode.INT8, "weight mode: int8 (default: weight-only, the fastest within the "
-                               "accuracy budget), bf16, fp8 (weight-only e4m3), none (the checkpoint as fp32)")
+                               "accuracy budget), bf16, fp8 (weight-only e4m3), none (the checkpoint as fp32), gguf "
+                               "(a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K layers as stored, int8 for the others), "
+                               "int4 (group-wise 4-bit, round-to-nearest, from a float checkpoint), int4-awq (int4 "
+                               "with activation-aware scales searched on calibration text; cached in KVWIRE_AWQ_CACHE)")
     device: str = arg("cpu", "torch device for weights and KV pages: cpu (default) or cuda[:N] (Triton kernels)")
 
 
@@ -100,12 +104,23 @@ class ComputeArgs(Section):
 
 @dataclass(frozen=True)
 class SchedulerArgs(Section):
-    max_running: int = arg(16, "requests decoded together at most")
-    max_waiting: int = arg(64, "queued requests before RESOURCE_EXHAUSTED")
+    max_running: int = arg(16, "requests admitted (prefilling or decoding) together at most")
+    max_waiting: int = arg(1024, "queued requests before RESOURCE_EXHAUSTED (a queued request waits until its "
+                           "deadline; one that can never fit the pool is refused at once)")
+    max_num_batched_tokens: int = arg(MAX_NUM_BATCHED_TOKENS, "tokens one step feeds at most: every decoding "
+                                      "request's rows, then prompt chunks (the oldest prompt's always; younger ones' "
+                                      "while they fit). docs/decisions/060-chunked-prefill.md")
+    prefill_chunk_size: int = arg(PREFILL_CHUNK, "tokens of one prompt computed per step, cut at fixed places so a "
+                                  "prompt's KV does not depend on the load")
+    chunked_prefill: bool = arg(True, "prefill prompts here in chunks, mixed with decode steps; off: each prompt in "
+                                "one forward")
 
     def validate(self) -> None:
         _check(self.max_running >= 1, f"--max-running must be at least 1, got {self.max_running}")
         _check(self.max_waiting >= 0, f"--max-waiting must not be negative, got {self.max_waiting}")
+        _check(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1, got "
+               f"{self.max_num_batched_tokens}")
+        _check(self.prefill_chunk_size >= 1, f"--prefill-chunk-size must be at least 1, got {self.prefill_chunk_size}")
 
 
 @dataclass(frozen=True)
@@ -238,6 +253,11 @@ class TokenizerArgs(Section):
     http_listen: str | None = arg(None, "serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                                   "/v1/completions, /v1/models) on HOST:PORT, e.g. 127.0.0.1:8000; off if unset. Its "
                                   "model id is --model-name", metavar="HOST:PORT")
+    cors_allowed_origins: str = arg("", "the HTTP door answers browsers' cross-origin requests (CORS) from these "
+                                    "origins: comma-separated, such as https://app.example.com, or '*' for any; "
+                                    "off if empty", metavar="ORIGINS")
+    http_metrics: bool = arg(False, "also serve Prometheus /metrics on the HTTP door's port (as vLLM does; like "
+                             "/health it needs no bearer token)")
     decode_routing: DecodeRouting = arg(DecodeRouting.ROUND_ROBIN, "round_robin: gRPC spreads calls over "
                                         "--decode-addr's addresses; prefix: one channel per decode replica and "
                                         "consistent hashing on the prompt's first KV page (bounded load), so "

@@ -17,6 +17,7 @@ from kvwire.engine.core import EngineCore
 from kvwire.engine.runner import ModelRunner
 from kvwire.engine.scheduler import SchedulerConfig
 from kvwire.files import LoadError
+from kvwire.grammar import Grammars
 from kvwire.model import gguf
 from kvwire.model.draft_head import is_draft_head, load_for_target, shipped_head
 from kvwire.model.source import eos_token_ids, load_config
@@ -40,12 +41,16 @@ def build_engine(args: EngineArgs, *, warm_up: bool = False, extra_eos: Iterable
     if warm_up:
         runner.warm_up()
         gguf.forget_readers()  # everything read from a GGUF model file is loaded by now
-    return EngineCore(runner, scheduler_config(args), spec_config(args.speculative), eos, draft=drafter)
+    grammars = Grammars(args.model.model_dir, runtime.model_config.vocab_size, eos)  # its tokenizer read on first use
+    return EngineCore(runner, scheduler_config(args), spec_config(args.speculative), eos, draft=drafter,
+                      grammars=grammars)
 
 
 def scheduler_config(args: EngineArgs) -> SchedulerConfig:
-    return SchedulerConfig(total_pages=args.cache.num_pages, max_running=args.scheduler.max_running,
-                           max_waiting=args.scheduler.max_waiting)
+    s = args.scheduler
+    return SchedulerConfig(total_pages=args.cache.num_pages, max_running=s.max_running, max_waiting=s.max_waiting,
+                           max_num_batched_tokens=s.max_num_batched_tokens,
+                           prefill_chunk=s.prefill_chunk_size if s.chunked_prefill else None)
 
 
 def spec_config(s: SpeculativeArgs) -> SpecConfig:

@@ -1,6 +1,8 @@
 """Where a request's prompt KV comes from: one protocol, two sources, and the per-request policy.
 
-    LocalPrefill   the prompt's forward pass in this process, into the request's pages
+    LocalPrefill   the prompt's forward pass in this process, into the request's pages: in chunks of
+                   the engine's steps (mixed with decoding) once bound to an AsyncEngine, else
+                   one whole-prompt forward
     RemoteSource   any source that fills the pages from elsewhere, injected by the caller (as vLLM's
                    KV connectors are): decode_svc's RemotePrefill pulls them from prefill_svc over
                    gRPC; ``PageImport`` verifies every chunk such a source delivers before use
@@ -18,8 +20,8 @@ there are no steps to hold up, and the pages need not travel), when its prompt h
 (a short prompt costs less to compute than to ship, unless the decode steps it would hold up are
 many), when no prefill replica is configured or its channel is failing, or when
 ``remote_max_inflight`` remote pulls are already running (prefill overloaded); else remotely. An
-AUTO request whose remote pull fails with UNAVAILABLE is retried locally, so decode_svc serves
-everything when prefill_svc is down.
+AUTO request whose remote pull fails with UNAVAILABLE or RESOURCE_EXHAUSTED (prefill_svc down, or
+its pool full) is prefilled locally instead, so decode_svc serves everything prefill_svc cannot.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ from typing import Any, Protocol
 from opentelemetry import trace
 
 from kvwire import errors
+from kvwire.engine.choices import sample_choices
 from kvwire.engine.request import Request
 from kvwire.engine.runner import ModelRunner
 from kvwire.kv.wire import KVChunk, TransferTracker, decode_chunk
-from kvwire.sampler import sample
+from kvwire.logprobs import token_logprobs
 from kvwire.sampling_params import KVSourceChoice
 
 tracer = trace.get_tracer("kvwire.engine")
@@ -55,16 +58,28 @@ class LocalPrefill:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.inflight = 0
+        # The engine's chunked prefill (AsyncEngine binds it): queue the request's prompt for the
+        # coming steps, resolve to its first token. Unbound: one whole-prompt forward via ``run``.
+        self.chunked: Callable[[Request], Awaitable[int]] | None = None
 
     def _prefill(self, req: Request) -> int:
-        req.cached_tokens = self.runner.reuse_prefix(req.seq, req.prompt)
-        return sample(self.runner.prefill(req.seq, req.prompt), req.params, 0)
+        if req.wants_prompt_logprobs:  # every row, no prefix reuse
+            [rows] = self.runner.prefill_chunks([(req.seq, req.prompt, True)], full=(0,))  # [len(prompt), vocab]
+            self.runner.remember_prefix(req.seq, req.prompt)
+            req.prompt_logprobs = token_logprobs(rows, req.prompt[1:], req.params.prompt_logprobs)
+            logits = rows[-1]
+        else:
+            req.cached_tokens = self.runner.reuse_prefix(req.seq, req.prompt)
+            logits = self.runner.prefill(req.seq, req.prompt)  # [vocab]
+        return sample_choices(logits, req)
 
     async def fill(self, req: Request, run: Run, deadline: float | None = None) -> int:
         self.inflight += 1
         try:
             with tracer.start_as_current_span("prefill.local") as span:
                 span.set_attribute("gen_ai.usage.input_tokens", len(req.prompt))
+                if self.chunked is not None:
+                    return await self.chunked(req)
                 return await run(self._prefill, req)
         finally:
             self.inflight -= 1
@@ -149,6 +164,16 @@ class KVSources:
         """``decoding``: requests decoding in this engine now."""
         if req.kv_source is KVSourceChoice.LOCAL:
             return self.local
+        if req.params.prompt_logprobs is not None:  # computed here, where every prompt row's logits are
+            if req.kv_source is KVSourceChoice.REMOTE:
+                raise errors.InvalidRequest("prompt_logprobs are computed by decode's own prefill: use kv_source "
+                                            "local or leave it unset")
+            return self.local
+        if req.grammar is not None:  # its first token is masked where it is sampled: here
+            if req.kv_source is KVSourceChoice.REMOTE:
+                raise errors.InvalidRequest("structured output samples its first token in decode's own prefill: "
+                                            "use kv_source local or leave it unset")
+            return self.local
         if req.kv_source is KVSourceChoice.REMOTE:
             if self.remote is None:
                 raise errors.Unavailable("kv_source=remote, but this decode service has no prefill replica "
@@ -164,15 +189,18 @@ class KVSources:
 
     async def fill(self, req: Request, run: Run, deadline: float | None = None, decoding: int = 0) -> int:
         """Fill ``req``'s KV from the source the policy picks (``decoding``: requests decoding here
-        now); an AUTO request falls back to local prefill when the remote one is unavailable (its
-        partial pages are freed first)."""
+        now); an AUTO request falls back to local prefill when the remote one is unavailable or
+        full (its partial pages are freed first)."""
         source = self.choose(req, decoding)
         try:
             first = await source.fill(req, run, deadline)
         except Exception as e:
-            if source is self.local or req.kv_source is not KVSourceChoice.AUTO or not isinstance(e, errors.Unavailable):
+            retry_here = isinstance(e, (errors.Unavailable, errors.ResourceExhausted)) and \
+                not isinstance(e, errors.NeverFits)
+            if source is self.local or req.kv_source is not KVSourceChoice.AUTO or not retry_here:
                 raise
-            trace.get_current_span().add_event("kvwire.kv.remote_unavailable", {"error": str(e)[:200]})
+            trace.get_current_span().add_event("kvwire.kv.remote_unavailable",
+                                               {"error": str(e)[:200], "kvwire.error": type(e).__name__})
             await run(self.runner_free, req.seq)
             source = self.local
             first = await source.fill(req, run)

@@ -7,9 +7,9 @@
     for delta in llm.stream("The cat", SamplingParams(max_tokens=16)): ...
     rid = llm.add_request([1, 2, 3], SamplingParams()); outputs = llm.step()
 
-Paged FP8 (or bf16) KV, continuous batching, speculative decoding: the same EngineCore
-decode_svc serves from, driven synchronously here. KV comes from the local prefill (the same
-KVSource protocol the server's remote prefill implements); calls must come from one thread.
+Paged FP8 (or bf16) KV, continuous batching with chunked prefill, preemption, speculative
+decoding: the same EngineCore decode_svc serves from, driven synchronously here (every prompt
+prefills locally, in the steps' chunks); calls must come from one thread.
 """
 from __future__ import annotations
 
@@ -19,28 +19,11 @@ from pathlib import Path
 
 from kvwire.args import EngineArgs
 from kvwire.engine.build import build_engine
-from kvwire.engine.kv_source import LocalPrefill
 from kvwire.engine.request import Completion, RequestOutput
 from kvwire.sampling_params import SamplingParams
 from kvwire.tokenizer import ModelTokenizer
 
 Prompt = str | Sequence[int]
-
-
-def _run_inline(fn, *args):
-    async def call():
-        return fn(*args)
-    return call()
-
-
-def _now(coro):
-    """Run a coroutine that completes without suspending (a local KV fill) to its result."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise RuntimeError("this KV source waits on I/O; use kvwire.engine.AsyncEngine")
 
 
 class LLM:
@@ -54,7 +37,6 @@ class LLM:
         self.tokenizer = self._tokenizer(self.args.model.model_dir)
         self.core = build_engine(self.args, extra_eos=self.tokenizer.eos_ids if self.tokenizer else ())
         self.runtime = self.core.runner.runtime
-        self.kv_source = LocalPrefill(self.core.runner)
 
     @staticmethod
     def _tokenizer(model_dir: Path):
@@ -80,12 +62,16 @@ class LLM:
         return req.request_id
 
     def step(self) -> list[RequestOutput]:
-        """Admit what fits and fill its KV (first tokens), then one decode step over the running
-        requests. Finished requests are released (pages back to the pool)."""
-        batch = self.core.schedule()
-        outputs = [self.core.start(req, _now(self.kv_source.fill(req, _run_inline))) for req in batch.admitted]
-        if batch.decode:
-            outputs += self.core.update(batch, self.core.execute(batch))
+        """Admit what fits, then one step: a decode step over the running requests and the next
+        chunks of the prompts being prefilled (their first tokens once complete). Finished
+        requests are released (pages back to the pool)."""
+        for req in self.core.admit():
+            self.core.prefill_locally(req)
+        plan = self.core.plan()
+        if not plan:
+            return []
+        outputs, firsts = self.core.update(plan, self.core.execute(plan))
+        outputs += [out for req, first in firsts for out in self.core.start_forked(req, first)]
         for out in outputs:
             if out.finished:
                 self._release(out.request_id)
@@ -95,6 +81,10 @@ class LLM:
         return bool(self.core.requests)
 
     def abort(self, request_id: str) -> None:
+        """Abort a request, every choice of it (n > 1) included."""
+        req = self.core.requests.get(request_id)
+        for child in req.children if req is not None else ():
+            self._release(child.request_id)
         self._release(request_id)
 
     def _release(self, request_id: str) -> None:
@@ -107,7 +97,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[Completion]:
-        """Generate for every prompt (batched together); results in the prompts' order."""
+        """Generate for every prompt (batched together); results in the prompts' order, an n > 1
+        prompt's n choices in a row (``Completion.index``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -116,32 +107,46 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         ids = [self.encode(p) for p in prompts]
         rids = [self.add_request(p, sp) for p, sp in zip(ids, plist)]
-        tokens: dict[str, list[int]] = {r: [] for r in rids}
-        reasons = {}
+        # every choice's id (n > 1: the request's, then its children's, ``EngineCore.fork``)
+        choices = [[r, *(f"{r}#{i}" for i in range(1, sp.n))] for r, sp in zip(rids, plist)]
+        tokens: dict[str, list[int]] = {c: [] for cs in choices for c in cs}
+        logprobs: dict[str, list] = {c: [] for cs, sp in zip(choices, plist) if sp.logprobs is not None for c in cs}
+        reasons, prompt_logprobs = {}, {}
         try:
-            while len(reasons) < len(rids):
+            while len(reasons) < len(tokens):
                 for out in self.step():
                     tokens[out.request_id] += out.token_ids
+                    if out.logprobs is not None:
+                        logprobs[out.request_id] += out.logprobs
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finished:
                         reasons[out.request_id] = out.finish_reason
         finally:
-            for r in rids:
-                self.abort(r)
-        return [Completion(r, p, tokens[r], reasons[r], self._text(tokens[r])) for r, p in zip(rids, ids)]
+            for c in tokens:
+                self._release(c)
+        return [Completion(c, p, tokens[c], reasons[c], self._text(tokens[c]), logprobs.get(c),
+                           prompt_logprobs.get(r), i)
+                for r, cs, p in zip(rids, choices, ids) for i, c in enumerate(cs)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one request's outputs (deltas) as they are generated; the last carries the finish
-        reason. Other queued requests advance too. Closing the iterator aborts the request."""
+        reason (n > 1: each choice's last, ``RequestOutput.index`` naming it). Other queued requests
+        advance too. Closing the iterator aborts the request."""
+        n = (params or SamplingParams()).n
         rid = self.add_request(prompt, params)
+        ids = [rid, *(f"{rid}#{i}" for i in range(1, n))]
+        live = set(ids)
         try:
-            while True:
+            while live:
                 for out in self.step():
-                    if out.request_id == rid:
+                    if out.request_id in live:
                         yield out
                         if out.finished:
-                            return
+                            live.discard(out.request_id)
         finally:
-            self.abort(rid)
+            for c in ids:
+                self._release(c)
 
     def _text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None

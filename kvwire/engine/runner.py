@@ -1,7 +1,8 @@
 """ModelRunner: the tensor side of the engine (no asyncio, no gRPC).
 
 Owns the paged KV cache. A sequence's prompt KV gets into its pages one of two ways: computed
-here (``prefill``, the local KV source) or imported page by page from the wire (``import_begin`` /
+here (``prefill_chunks``, the local KV source: one forward over chunks of several prompts, each
+after what its sequence already holds) or imported page by page from the wire (``import_begin`` /
 ``import_chunk``, the remote one); then sequences advance together: one ``step`` runs one batched
 forward for every decoding sequence, one token each, or several for a speculative verification.
 Not thread-safe by design: the engine makes every call from one thread, in submission order, so a
@@ -11,13 +12,13 @@ the warm-up and every free.
 """
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import torch
 
-from kvwire.engine.chunked import PrefixPrefill
 from kvwire.engine.prefix_cache import PrefixCache, cache_salt
 from kvwire.engine.step_cost import StepCost
 from kvwire.kv.wire import DecodedChunk
@@ -50,6 +51,15 @@ class ModelRunner:
         self._starts: dict[int, tuple[int, int]] = {}
         self.step_cost = StepCost()  # what a verification row costs here, from ``step``'s timings
 
+    @functools.cached_property
+    def rows_independent(self) -> bool:
+        """Whether every matmul of the model gives a row the same bits whatever the other rows (int8
+        weights in the VNNI kernel's packed layout): then prompts are prefilled in one forward and
+        each still gets the bits it gets alone. torch's fp32 / bf16 GEMMs pick kernels by shape, so
+        there each prompt's chunk has a forward of its own."""
+        linears = [m for m in self.runtime.model.modules() if hasattr(m, "in_features")]
+        return bool(linears) and all(isinstance(getattr(m, "packed", None), torch.Tensor) for m in linears)
+
     def attach(self, attachment: Attachment) -> None:
         self.attached.append(attachment)
 
@@ -66,18 +76,53 @@ class ModelRunner:
             self.prefix.remember(self.cache.tables, seq, prompt)
 
     def prefill(self, seq: int, tokens: list[int]) -> torch.Tensor:
-        """Compute a prompt's KV into new pages of ``seq`` (after a reused prefix, if attached);
-        returns the last position's logits [vocab]. The same forward prefill_svc runs, so the
-        pages hold the same bytes."""
+        """Compute a prompt's KV into new pages of ``seq`` (after a reused prefix, if attached) in one
+        forward; returns the last position's logits [vocab]. The same forward prefill_svc runs, so
+        the pages hold the same bytes."""
         start = self.cache.length(seq) if seq in self.cache.tables else 0
-        positions = self.cache.prepare([seq], [len(tokens) - start])
-        kv = PrefixPrefill(self.cache, seq, start, len(tokens) - start) if start else self.cache
-        logits = self.runtime.model(torch.tensor(tokens[start:]), positions, kv,
-                                    logits_rows=torch.tensor([len(tokens) - start - 1]))
+        [logits] = self.prefill_chunks([(seq, tokens[start:], True)])
         self.remember_prefix(seq, tokens)
-        for a in self.attached:
-            a.prefilled(seq, self.runtime.model.last_hidden[0])
-        return logits[0]
+        return logits
+
+    def prefill_chunks(self, chunks: Sequence[tuple[int, list[int], bool]],
+                       full: Collection[int] = ()) -> list[torch.Tensor | None]:
+        """One forward over prompt chunks ``(seq, tokens, last)``: each sequence's tokens follow what
+        it already holds (earlier chunks, a reused prefix), attending over those pages and causally
+        over themselves (``PagedKVCache.prepare(prefill=True)``); one forward for all where the
+        kernels are row-independent, else one each. Returns, per chunk, the logits
+        [vocab] of its last token where ``last`` (the prompt is complete: attachments are told),
+        else None; for the chunks whose index is in ``full`` (a prompt's logprobs), every row's
+        logits [len(tokens), vocab] instead."""
+        if len(chunks) > 1 and not self.rows_independent:
+            return [out for i, chunk in enumerate(chunks)
+                    for out in self.prefill_chunks([chunk], (0,) if i in full else ())]
+        counts = [len(tokens) for _, tokens, _ in chunks]
+        positions = self.cache.prepare([seq for seq, _, _ in chunks], counts, prefill=True)
+        ends = (torch.tensor(counts).cumsum(0) - 1).tolist()
+        picked: list[int] = []  # the forward's rows whose logits are computed
+        spans = []  # per chunk: (its first row in ``picked``, how many)
+        for i, ((_, tokens, last), end) in enumerate(zip(chunks, ends)):
+            rows = range(end - len(tokens) + 1, end + 1) if i in full else [end] if last else []
+            spans.append((len(picked), len(rows)))
+            picked += rows
+        logits = self.runtime.model(torch.tensor([t for _, tokens, _ in chunks for t in tokens]), positions,
+                                    self.cache, logits_rows=torch.tensor(picked, dtype=torch.int64))
+        # logits: [len(picked), vocab]
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        for i, (first, n) in enumerate(spans):
+            if not n:
+                continue
+            out[i] = logits[first:first + n] if i in full else logits[first]
+            if chunks[i][2]:
+                for a in self.attached:
+                    a.prefilled(chunks[i][0], self.runtime.model.last_hidden[first + n - 1])
+        return out
+
+    def fork(self, seq: int, children: Sequence[int]) -> None:
+        """``seq``'s prompt KV is complete: each of ``children`` starts on it (n > 1 choices), its
+        full pages shared and its partial last page copied (``PagedKVCache.fork``)."""
+        for child in children:
+            self.cache.fork(seq, child)
 
     def import_begin(self, seq: int, num_tokens: int) -> list[int]:
         """Allocate pages for the rest of a prompt of ``num_tokens`` tokens whose KV will arrive
@@ -118,6 +163,22 @@ class ModelRunner:
             for a in self.attached:
                 a.stepped(seqs, hidden)
         return list(logits.split(counts))
+
+    def replay(self, items: Sequence[tuple[int, list[int], bool]]) -> None:
+        """Feed again ``(seq, tokens, last)``, tokens a preempted sequence had decoded (at most
+        MAX_PAGED_QUERIES each), after what its pages hold now: the decode kernel writes each
+        token's K/V as one-token decoding did, bit for bit (each row attends over the pages up to
+        itself). No logits but the last row's hidden state, which attachments get as at a prefill
+        where ``last`` (the pending token follows)."""
+        counts = [len(tokens) for _, tokens, _ in items]
+        positions = self.cache.prepare([seq for seq, _, _ in items], counts)
+        rows = [i for i, (_, _, last) in enumerate(items) if last]
+        ends = torch.tensor(counts).cumsum(0) - 1
+        self.runtime.model(torch.tensor([t for _, tokens, _ in items for t in tokens]), positions, self.cache,
+                           logits_rows=ends[rows])
+        for j, i in enumerate(rows):
+            for a in self.attached:
+                a.prefilled(items[i][0], self.runtime.model.last_hidden[j])
 
     def keep(self, seq: int, num_kept: int) -> None:
         """After a multi-token ``step``: keep the first ``num_kept`` of ``seq``'s tokens, roll the

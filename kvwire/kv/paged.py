@@ -4,7 +4,10 @@ Called as ``DenseKVCache`` (``prepare`` per step, ``attend`` per layer). Pages a
 sequence a step is: a fresh prompt (causal attention over its full-precision K/V, also written to
 pages); up to ``MAX_PAGED_QUERIES`` tokens after context (written first, then each attends over the
 pages up to its own position, so verifying k + 1 tokens gives plain decoding's logits and rejection
-is ``truncate``); or more (pages dequantized once, masked sdpa). Truncated slots and new pages are
+is ``truncate``); or more, or any prompt chunk (``prepare(..., prefill=True)``): the context's pages
+dequantized once and the new tokens' own full-precision K/V, causal attention (the CPU flash kernel
+or masked sdpa) -- a prompt computed in chunks sees its earlier chunks as decoding will, and itself
+as an unchunked prompt does. Truncated slots and new pages are
 zeroed, so a page's bytes depend on its sequence's tokens alone (reproducible wire checksums).
 """
 from __future__ import annotations
@@ -17,7 +20,8 @@ from kvwire.config import KVDtype, ModelConfig
 from kvwire.kv.dense import attention_mask, sdpa_gqa
 from kvwire.kv.pool import RELEASED, BlockTables, OutOfPages, PagePool
 from kvwire.kv.spec import FORMAT_VERSION, KVPageSpec
-from kvwire.kv.tuned import MAX_PAGED_QUERIES
+from kvwire.kv.tuned import MAX_PAGED_QUERIES, PREFILL_KERNEL_MAX_KEYS_D128
+from kvwire_kernels import cpu as cpu_kernels
 from kvwire_kernels import dispatch
 from kvwire_kernels.reference import SCALE_DTYPE
 
@@ -51,6 +55,7 @@ class PagedKVCache:
         self.tables = BlockTables(self.pool, spec.block_size, window)
         self.sm_scale = cfg.head_dim ** -0.5
         self._step: list[tuple[int, int, int]] = []  # (seq_id, start, num_new)
+        self._prefill = False
 
     # ---- sequences and pages ------------------------------------------------------------------
 
@@ -61,6 +66,15 @@ class PagedKVCache:
         """DenseKVCache-compatible: forget the sequence (its pages go back to the pool)."""
         if seq_id in self.tables:
             self.tables.free(seq_id)
+
+    def fork(self, src: int, dst: int) -> None:
+        """``dst`` starts as a copy of ``src``: the full pages shared, the partial last page copied
+        (values and scales, every layer: the same bytes), so each appends its own tokens."""
+        cow = self.tables.fork(src, dst)
+        if cow is not None:
+            old, new = cow
+            for t in self._tensors():
+                t[:, new] = t[:, old]
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep the first ``length`` tokens (rejected speculative tokens go). Exact: nothing kept
@@ -122,9 +136,10 @@ class PagedKVCache:
 
     # ---- one forward step ---------------------------------------------------------------------
 
-    def prepare(self, seq_ids: Sequence[int], num_new: Sequence[int]) -> torch.Tensor:
+    def prepare(self, seq_ids: Sequence[int], num_new: Sequence[int], prefill: bool = False) -> torch.Tensor:
         """Declare the next step (``num_new[i]`` tokens for ``seq_ids[i]``, in that order) and
-        allocate its pages; unknown ids are added. Returns positions, [sum(num_new)] int64.
+        allocate its pages; unknown ids are added. ``prefill``: the tokens are prompt chunks (never
+        kernel rows over the pages, whatever their number). Returns positions, [sum(num_new)] int64.
         Raises OutOfPages, changing nothing, when the pages do not fit."""
         added = [s for s in dict.fromkeys(seq_ids) if s not in self.tables]
         for s in added:
@@ -150,13 +165,14 @@ class PagedKVCache:
         # each as its own kernel row (its sequence's block table, context up to itself).
         rows, tabs, ctx, row = [], [], [], 0
         for s, start, n in self._step:
-            if start > 0 and n <= MAX_PAGED_QUERIES:
+            if start > 0 and n <= MAX_PAGED_QUERIES and not prefill:
                 table = self.tables.table(s)
                 rows.extend(range(row, row + n))
                 tabs.extend([table] * n)
                 ctx.extend(range(start + 1, start + n + 1))
             row += n
         self._all_paged = bool(rows) and len(rows) == row
+        self._prefill = prefill
         self._paged_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [R]
         if rows:
             width = max(len(t) for t in tabs)
@@ -188,30 +204,45 @@ class PagedKVCache:
             if n == 0:
                 continue
             if start == 0:  # fresh prompt: this step's K/V are the whole context
-                pos = torch.arange(n, device=q.device)
-                mask = None if window is None or n <= window else attention_mask(pos, pos, window)
-                out[rows] = sdpa_gqa(q[rows], k[rows], v[rows], mask, causal=True)
-            elif n > MAX_PAGED_QUERIES:
-                out[rows] = self._attend_pages(layer, seq_id, q[rows], start, n, window)
+                out[rows] = self._causal(q[rows], k[rows], v[rows], 0, 0, window)
+            elif n > MAX_PAGED_QUERIES or self._prefill:
+                out[rows] = self._attend_pages(layer, seq_id, q[rows], k[rows], v[rows], start, window)
         if self._paged_rows.numel():
             idx = self._paged_rows
             out[idx] = dispatch.paged_decode_attention(q[idx], k_pages, v_pages, k_scale, v_scale,
                                                        self._block_tables, self._ctx, window, self.sm_scale)
         return out
 
-    def _attend_pages(self, layer: int, seq_id: int, q: torch.Tensor, start: int, n: int,
-                      window: int | None) -> torch.Tensor:
-        """Many new queries after existing context: dequantize the visible pages, mask, sdpa."""
-        bs, end = self.spec.block_size, start + n
+    def _attend_pages(self, layer: int, seq_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      start: int, window: int | None) -> torch.Tensor:
+        """New queries after ``start`` tokens of context: the visible context pages dequantized once,
+        then the new tokens' own K/V at full precision; masked sdpa. q: [n, H, D]; k, v: [n, Hkv, D]."""
+        bs, n = self.spec.block_size, q.shape[0]
         first_block = 0 if window is None else max(0, start - window + 1) // bs
-        ids = torch.tensor(self.tables.table(seq_id)[first_block:-(-end // bs)], device=self.device)
+        ids = torch.tensor(self.tables.table(seq_id)[first_block:-(-start // bs)], dtype=torch.int64,
+                           device=self.device)
         k_pages, v_pages, k_scale, v_scale = self.layer_tensors(layer)
         lo = first_block * bs
+        _, hkv, d = k.shape
         keys = dispatch.dequantize_pages(k_pages, k_scale, ids)  # [nb, Hkv, B, D]
         vals = dispatch.dequantize_pages(v_pages, v_scale, ids)
-        _, hkv, _, d = keys.shape
-        keys = keys.transpose(1, 2).reshape(-1, hkv, d)[:end - lo]  # [ctx, Hkv, D], positions lo..end-1
-        vals = vals.transpose(1, 2).reshape(-1, hkv, d)[:end - lo]
-        mask = attention_mask(torch.arange(start, end, device=q.device),
-                              torch.arange(lo, end, device=q.device), window)
-        return sdpa_gqa(q, keys.to(q.dtype), vals.to(q.dtype), mask)
+        keys = keys.transpose(1, 2).reshape(-1, hkv, d)[:start - lo].to(q.dtype)  # [start - lo, Hkv, D]
+        vals = vals.transpose(1, 2).reshape(-1, hkv, d)[:start - lo].to(q.dtype)
+        return self._causal(q, torch.cat([keys, k]), torch.cat([vals, v]), start, lo, window)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int, k_pos0: int,
+                window: int | None) -> torch.Tensor:
+        """q [n, H, D] at positions q_pos0.., over k, v [m, Hkv, D] at k_pos0.. that end with q's own:
+        the CPU flash kernel for fp32 on CPU (about 2x torch's at 512 tokens; at head_dim 128 torch
+        catches up from 1,024 keys: docs/decisions/061-prefill-attention.md), else sdpa with the
+        causal (and window) mask."""
+        n, m, d = q.shape[0], k.shape[0], q.shape[2]
+        if (q.device.type == "cpu" and q.dtype == torch.float32 and cpu_kernels.available()
+                and cpu_kernels.supports_prefill_attention(q.shape[1], k.shape[1], d)
+                and (d <= 64 or m <= PREFILL_KERNEL_MAX_KEYS_D128)):
+            return cpu_kernels.prefill_attention(q, k, v, q_pos0, k_pos0, window, self.sm_scale)
+        if q_pos0 == k_pos0 and (window is None or n <= window):
+            return sdpa_gqa(q, k, v, None, causal=True)
+        mask = attention_mask(torch.arange(q_pos0, q_pos0 + n, device=q.device),
+                              torch.arange(k_pos0, k_pos0 + m, device=q.device), window)
+        return sdpa_gqa(q, k, v, mask)

@@ -3,7 +3,7 @@
 ``PagePool`` hands out page ids from a fixed set; ``BlockTables`` maps each sequence's token
 positions to pages (position p lives in page ``table[p // block_size]`` at offset
 ``p % block_size``), grows tables as tokens are appended, rolls them back for rejected speculative
-tokens and, for sliding-window models, gives back pages that no future query can see
+tokens, forks a sequence into choices that share its full pages (``fork``) and, for sliding-window models, gives back pages that no future query can see
 (their table entries become ``RELEASED``), so a long sequence holds about window/block_size pages.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ class PagePool:
 
     def stats(self) -> dict[str, int]:
         return {"num_pages": self.num_pages, "used": self.num_used, "free": self.num_free,
-                "peak_used": self._peak}
+                "peak_used": self._peak, "shared": sum(r > 1 for r in self._refs)}
 
 
 class BlockTables:
@@ -115,6 +115,21 @@ class BlockTables:
         self.pool.share(pages)
         self._tables[seq_id].extend(pages)
         self._lengths[seq_id] = len(pages) * self.block_size
+
+    def fork(self, src: int, dst: int) -> tuple[int, int] | None:
+        """Start ``dst`` as a copy of ``src`` (another choice of the same prompt): its full pages
+        are shared (one more holder each: full pages never change), its last page, when partial,
+        is a new page for ``dst`` alone (copy on write: ``src`` appends into its own). Returns
+        (``src``'s partial page, ``dst``'s copy) for the caller to copy the bytes, or None."""
+        if dst in self._tables:
+            raise ValueError(f"sequence {dst} already exists")
+        table, length = self._tables[src], self._lengths[src]
+        partial = length % self.block_size != 0
+        full = table[:-1] if partial else list(table)
+        copy = self.pool.allocate(1) if partial else []  # raises OutOfPages before anything changes
+        self.pool.share([p for p in full if p != RELEASED])
+        self._tables[dst], self._lengths[dst] = full + copy, length
+        return (table[-1], copy[0]) if partial else None
 
     def table(self, seq_id: int) -> list[int]:
         """Page ids by block index (RELEASED for pages behind the window). Do not mutate."""

@@ -147,9 +147,9 @@ def load_for_target(path: str | Path, target, weights) -> DraftHead:
     if (cfg.vocab_size, cfg.hidden_size) != (tcfg.vocab_size, tcfg.hidden_size):
         raise LoadError(f"draft head {path} is for a vocabulary of {cfg.vocab_size} and width {cfg.hidden_size}; "
                         f"the target has {tcfg.vocab_size} and {tcfg.hidden_size}")
-    want = cfg.target_weights_sha256
-    if want and want != target.fingerprint.weights_sha256:
+    want, have = cfg.target_weights_sha256, target.checkpoint_sha256 or target.fingerprint.weights_sha256
+    if want and want != have:
         raise LoadError(f"draft head {path} was distilled from other target weights (sha256 {want[:12]}, "
-                        f"target {target.fingerprint.weights_sha256[:12]}): train one for this model "
+                        f"target {have[:12]}): train one for this model "
                         "(tools/train_draft_head.py)")
     return quantize_model(head, weights, include_lm_head=True)

@@ -14,18 +14,29 @@ import ctypes
 import torch
 
 from kvwire_kernels import cpu
+from kvwire.model.gguf_linear import GGUFLinear, GGUFRows
 from kvwire.model.linear import Linear
 from kvwire.model.model import rope_cos_sin
 
 
 def linear_desc(module: torch.nn.Module, keep: list) -> cpu.LinearDesc | None:
-    """A Linear, Int8Linear or Fp8Linear on CPU as the C side reads it (by the tensors it holds),
-    or None for anything else. Tensors whose pointers are taken are appended to ``keep``."""
+    """A Linear, Int8Linear, Fp8Linear, GGUFLinear or GGUFRows on CPU as the C side reads it (by the
+    tensors it holds), or None for anything else. Tensors (and arrays) whose pointers are taken are
+    appended to ``keep``."""
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    if isinstance(module, GGUFLinear):  # GGUF blocks as stored (kvw_gemm_q4_0 / q4_1 / q8_0)
+        keep.extend(t for t in (module.packed, module.bias) if t is not None)
+        return cpu.LinearDesc(module.packed.data_ptr(), None, ptr(module.bias), module.in_features,
+                              module.out_features, cpu.WT_GGUF[module.qtype])
+    if isinstance(module, GGUFRows):  # parts of different GGUF types, outputs side by side
+        parts = (cpu.LinearDesc * (len(module.parts) + 1))(*[linear_desc(p, keep) for p in module.parts])
+        keep.extend([parts] + ([module.bias] if module.bias is not None else []))
+        return cpu.LinearDesc(ctypes.addressof(parts), None, ptr(module.bias), module.in_features,
+                              module.out_features, cpu.WT_ROWS)
     packed = getattr(module, "packed", None)
     if isinstance(packed, torch.Tensor) and packed.device.type == "cpu" and packed.is_contiguous():
         # int8 weights in kvw_gemm_i8a8's layout (kvwire.model.quant.vnni_layout): int8 activations
         keep.extend(t for t in (packed, module.scale, module.bias) if t is not None)
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         return cpu.LinearDesc(packed.data_ptr(), ptr(module.scale), ptr(module.bias), module.in_features,
                               module.out_features, cpu.WT_I8A8_PACKED)
     w = getattr(module, "weight", None)
@@ -38,7 +49,6 @@ def linear_desc(module: torch.nn.Module, keep: list) -> cpu.LinearDesc | None:
     bias = getattr(module, "bias", None)
     tensors = [w.detach()] + [None if t is None else t.detach().float().contiguous() for t in (scale, bias)]
     keep.extend(t for t in tensors if t is not None)
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     wt = cpu.WEIGHT_TYPES[w.dtype]
     if w.dtype == torch.int8 and scale is not None and w.shape[1] % 64 == 0 and cpu.int8_activations():
         wt = cpu.WT_I8A8  # int8 x int8 (VNNI), activations per block of 32 (see kvwire_kernels/cpu.py)
@@ -59,7 +69,8 @@ class FastDecode:
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.vocab = head.out_features
         self._head_fn = {cpu.WT_I8A8: lib.kvw_linear_i8a8, cpu.WT_I8A8_PACKED: lib.kvw_gemm_i8a8,
-                         cpu.WT_BF16A16: lib.kvw_linear_bf16a16}.get(head.wt) or \
+                         cpu.WT_BF16A16: lib.kvw_linear_bf16a16,
+                         **{wt: getattr(lib, f"kvw_gemm_{q.lower()}") for q, wt in cpu.WT_GGUF.items()}}.get(head.wt) or \
             getattr(lib, cpu.LINEAR_FN[model.lm_head.weight.dtype])
 
     @classmethod

@@ -36,7 +36,10 @@ class FastHead:
     def build(cls, head: DraftHead) -> "FastHead | None":
         """None where the C kernels are unavailable or a layer is of a kind they do not read."""
         lib = cpu.library()
-        embed = head.embed[0].weight.detach()  # [vocab, hidden]: the target's, shared
+        embed = getattr(head.embed[0], "weight", None)  # [vocab, hidden]: the target's, shared (None: GGUF blocks)
+        if embed is None:
+            return None
+        embed = embed.detach()
         if lib is None or embed.device.type != "cpu" or embed.dtype not in (torch.float32, torch.bfloat16) \
                 or not embed.is_contiguous():
             return None

@@ -233,3 +233,17 @@ def dequantized(reader_tensor, arch: str, cfg, source: str) -> np.ndarray:
     if arch in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
         w = unpermute_qk(w, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
     return w
+
+
+def tensor_type(reader_tensor) -> str:
+    return reader_tensor.tensor_type.name
+
+
+def raw_rows(reader_tensor, arch: str, cfg) -> np.ndarray:
+    """One quantized matrix's blocks as stored, uint8 [rows, bytes per row], Q/K rows in HF order:
+    rows are independent runs of blocks, so undoing the permutation moves whole rows (exact)."""
+    t = reader_tensor
+    w = np.asarray(t.data).reshape(int(t.shape[-1]), -1)  # [rows, row bytes], a view of the memory map
+    if arch in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
+        w = unpermute_qk(w, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
+    return np.ascontiguousarray(w)  # a copy: the layer keeps it after the file's pages are released

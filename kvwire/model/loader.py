@@ -10,11 +10,13 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -23,12 +25,15 @@ from tqdm import tqdm
 from kvwire.config import DType, ModelConfig
 from kvwire.files import LoadError, read_json, resolve_inside
 from kvwire.model import gguf
+from kvwire.model.gguf_linear import NATIVE_TYPES, GGUFEmbedding, GGUFLinear, GGUFRows, native_shape
 from kvwire.model.linear import Linear
 from kvwire.model.model import Transformer, rope_inv_freq
 from kvwire.model.source import load_config, model_source
 from kvwire.model.tuned import TRIM_EVERY_BYTES
 
 __all__ = ["LoadError", "LoadedModel", "load_config", "load_model"]
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16}
 PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for checkpoints larger than this
@@ -102,16 +107,21 @@ Quantize = Callable[[str, Sequence[torch.Tensor]], "nn.Module | None"]
 
 
 def load_model(model_dir: str | Path, dtype: DType = DType.FP32, device: str = "cpu",
-               progress: bool | None = None, quantize: Quantize | None = None) -> LoadedModel:
+               progress: bool | None = None, quantize: Quantize | None = None,
+               gguf_blocks: bool = False) -> LoadedModel:
     """``model_dir``: an HF directory, a .gguf file, a directory holding one, or a registered name.
 
     Tensors are read one at a time and each fused parameter is built as soon as its pieces are in,
     so the checkpoint is never held whole beside the model. With ``quantize``, every Linear it
     claims is built from the pieces directly: no float copy of that matrix is ever made.
+    ``gguf_blocks`` (a GGUF on the CPU or a CUDA device): every Linear whose tensors are of types in
+    ``gguf_linear.NATIVE_TYPES`` becomes a ``GGUFLinear`` on the file's blocks (``GGUFRows`` where its
+    parts differ in type); the others take the ``quantize`` path, and the loader logs which.
     """
     src = model_source(model_dir)
     if src.gguf is not None:
-        return _load_gguf(src.gguf, DType(dtype), device, progress, quantize)
+        blocks = gguf_blocks and (device == "cpu" or device.startswith("cuda"))  # C kernels or Triton
+        return _load_gguf(src.gguf, DType(dtype), device, progress, quantize, blocks)
     model_dir = src.path
     cfg = load_config(model_dir)
     files = weight_files(model_dir)
@@ -188,6 +198,12 @@ class _Builder:
         self.installed: dict[str, nn.Module] = {}
         self.untrimmed = 0  # bytes of parameters built since freed memory was last handed back
 
+    def install(self, mod_name: str, layer: nn.Module) -> None:
+        """Put ``layer`` (built by the caller, without bias) in place of the Linear ``mod_name``."""
+        parent, _, child = mod_name.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, layer)
+        self.installed[mod_name] = layer
+
     def add(self, ours: str, pieces: list[torch.Tensor], tied: str | None = None) -> None:
         """Build parameter ``ours`` from ``pieces`` (concatenated along dim 0); ``tied``: it is
         the already built parameter of that name (one table, as a tied checkpoint means)."""
@@ -205,9 +221,7 @@ class _Builder:
                 and isinstance(self.model.get_submodule(mod_name), Linear)):
             layer = self.quantize(mod_name, [p.to(self.device) for p in pieces])
             if layer is not None:
-                parent, _, child = mod_name.rpartition(".")
-                setattr(self.model.get_submodule(parent) if parent else self.model, child, layer)
-                self.installed[mod_name] = layer
+                self.install(mod_name, layer)
                 return
         if tied is not None:
             self.state[ours] = self.state[tied]
@@ -232,10 +246,33 @@ class _Builder:
         return model.to(self.device).eval()
 
 
+def _gguf_layer(tensors: list, shapes: list[tuple[int, int]], arch: str, cfg) -> nn.Module | None:
+    """The layer on the file's blocks for the concatenation of ``tensors`` (their rows in order), or
+    None where a part has no native kernel: one GGUFLinear per run of parts of one type."""
+    runs: list[tuple[str, list]] = []
+    for t in tensors:
+        kind = gguf.tensor_type(t)
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(t)
+        else:
+            runs.append((kind, [t]))
+    cols, rows = shapes[0][1], [s[0] for s in shapes]
+    sizes, at = [], 0
+    for kind, ts in runs:
+        sizes.append(sum(rows[at:at + len(ts)]))
+        at += len(ts)
+    if not all(kind in NATIVE_TYPES and native_shape(kind, n, cols) for (kind, _), n in zip(runs, sizes)):
+        return None
+    parts = [GGUFLinear(torch.from_numpy(np.concatenate([gguf.raw_rows(t, arch, cfg) for t in ts])), kind, cols)
+             for kind, ts in runs]
+    return parts[0] if len(parts) == 1 else GGUFRows(parts)
+
+
 def _load_gguf(path: Path, dtype: DType, device: str, progress: bool | None,
-               quantize: Quantize | None) -> LoadedModel:
+               quantize: Quantize | None, blocks: bool = False) -> LoadedModel:
     """Dequantize tensor by tensor (one float32 tensor alive at a time beside the model being built),
-    undo llama.cpp's Q/K permutation, concatenate into our fused parameters in ``dtype``."""
+    undo llama.cpp's Q/K permutation, concatenate into our fused parameters in ``dtype``. With
+    ``blocks``, Linears of native types keep the file's blocks instead (``GGUFLinear``, ``GGUFRows``)."""
     reader = gguf.open_gguf(path)
     cfg = load_config(path, reader)
     arch = gguf.field(reader, "general.architecture")
@@ -248,8 +285,26 @@ def _load_gguf(path: Path, dtype: DType, device: str, progress: bool | None,
             raise LoadError(f"{path}: tensor {name!r} is missing")
     show = os.path.getsize(path) >= PROGRESS_MIN_BYTES if progress is None else progress
     builder = _Builder(cfg, TORCH_DTYPES[dtype], device, quantize)
+    converted: dict[str, str] = {}  # Linear -> its tensor types, where blocks were asked for but not kept
     for ours, parts in tqdm(plan.items(), desc=f"loading {path.name}", unit="tensor", disable=not show):
+        mod_name, _, kind = ours.rpartition(".")
+        if blocks and kind == "weight" and isinstance(builder.model.get_submodule(mod_name), Linear):
+            layer = _gguf_layer([tensors[n] for n in parts], [expected[n] for n in parts], arch, cfg)
+            if layer is not None:
+                builder.install(mod_name, layer)
+                gguf.release_pages(reader)
+                continue
+            converted[mod_name] = "+".join(sorted({gguf.tensor_type(tensors[n]) for n in parts}))
+        if blocks and ours == "embed.weight" and gguf.tensor_type(tensors[parts[0]]) in NATIVE_TYPES:
+            t = tensors[parts[0]]  # the table stays in blocks; a lookup dequantizes the rows it needs
+            builder.install("embed", GGUFEmbedding(torch.from_numpy(gguf.raw_rows(t, arch, cfg).copy()), gguf.tensor_type(t),
+                                                   cfg.hidden_size))
+            gguf.release_pages(reader)
+            continue
         if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+            if isinstance(builder.installed.get("embed"), GGUFEmbedding):  # (a native LM head was built above)
+                builder.add(ours, [builder.installed["embed"].dequantized_weight()])
+                continue
             builder.add(ours, [], tied="embed.weight")
             continue
         pieces = []
@@ -263,4 +318,9 @@ def _load_gguf(path: Path, dtype: DType, device: str, progress: bool | None,
         builder.add(ours, pieces)
         del pieces
         gguf.release_pages(reader)  # the file's pages read so far leave the resident set
+    if converted:
+        kept = sum(isinstance(m, (GGUFLinear, GGUFRows)) for m in builder.installed.values())
+        log.info("%s: %d of %d linear layers have no native GGUF kernel and were dequantized: %s", path.name,
+                 len(converted), len(converted) + kept,
+                 ", ".join(f"{m} ({t})" for m, t in converted.items()))
     return LoadedModel(model=builder.finish(), config=cfg, weights_sha256=gguf.weights_sha256(reader))

@@ -16,13 +16,15 @@ import torch
 from torch import nn
 
 from kvwire.config import QuantMode
+from kvwire.model import int4
 from kvwire.model.linear import Linear, cpu_has_native_bf16, upcast_linear
 from kvwire.model.tuned import QUANT_BLOCK_ELEMS, UPCAST_MIN_ROWS, W8A8_LAYERS, W8A8_MIN_ROWS
 from kvwire_kernels import cpu
 
 # Weight modes whose engine also quantizes lm_head: int8, where the head is a large share of a step's
 # reads; see docs/decisions/041-quantized-linear-paths.md.
-HEAD_QUANTIZED = frozenset({QuantMode.INT8})
+# int4 / int4-awq: Q8_0 blocks (kvwire.model.int4), as llama.cpp's 4-bit files keep a wider head.
+HEAD_QUANTIZED = frozenset({QuantMode.INT8, QuantMode.GGUF, QuantMode.INT4, QuantMode.INT4_AWQ})
 # fbgemm's reduce_range=True quantizes activations to 7 bits so that u8*s8 pair sums cannot
 # saturate int16 on CPUs without VNNI (AVX2's vpmaddubsw). With VNNI (vpdpbusd, 32-bit sums) the
 # full 8 bits are safe; the lost bit doubles the activation rounding error. Chosen from the CPU's
@@ -195,6 +197,15 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def _as_loaded(mode: QuantMode) -> QuantMode:
+    """gguf keeps a GGUF file's blocks at load time (kvwire.model.loader); a layer it cannot keep, or
+    one built from anything else, is int8. int4-awq's scales are folded in by the runtime
+    (kvwire.model.awq) before its layers are quantized: here it is int4's round-to-nearest."""
+    if mode is QuantMode.GGUF:
+        return QuantMode.INT8
+    return QuantMode.INT4 if mode is QuantMode.INT4_AWQ else mode
+
+
 def _quantized(lin: Linear, mode: QuantMode, name: str = "") -> nn.Module:
     w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
     if mode is QuantMode.BF16:
@@ -202,6 +213,12 @@ def _quantized(lin: Linear, mode: QuantMode, name: str = "") -> nn.Module:
         return lin
     if mode is QuantMode.INT8:
         return Int8Linear(w, b, act_quant=name.endswith(W8A8_LAYERS))
+    if mode is QuantMode.INT4:
+        layer = int4.block_layer(w, int4.HEAD_TYPE if name == "lm_head" else int4.INT4_TYPE)
+        if layer is None:  # a shape the block kernels do not take
+            return Int8Linear(w, b)
+        layer.bias = b if b is None else b.float()
+        return layer
     return Fp8Linear(w, b)
 
 
@@ -213,7 +230,7 @@ def quantize_model(model: nn.Module, mode: QuantMode, include_lm_head: bool = Fa
     copy at a time is the peak overhead). The embedding table is never touched, so tied
     embeddings stay intact whether or not lm_head is quantized.
     """
-    mode = QuantMode(mode)
+    mode = _as_loaded(QuantMode(mode))
     if mode is QuantMode.NONE:
         return model
     for name, module in list(model.named_modules()):
@@ -233,7 +250,7 @@ def quantize_pieces(pieces: Sequence[torch.Tensor], mode: QuantMode, name: str =
     float temporary is one block, not the matrix. ``name`` is the module's path (W8A8_LAYERS).
     The layer has no bias; set ``layer.bias`` (fp32) afterwards if the checkpoint has one.
     """
-    mode = QuantMode(mode)
+    mode = _as_loaded(QuantMode(mode))
     if mode not in (QuantMode.INT8, QuantMode.FP8):
         raise ValueError(f"quantize_pieces: mode {mode.value!r} is not int8 or fp8")
     fn = quantize_int8 if mode is QuantMode.INT8 else quantize_fp8
@@ -264,9 +281,11 @@ def load_quantizer(mode: QuantMode, include_lm_head: bool = False
     layer straight from the checkpoint's pieces, so the model never exists in fp32; the same
     layers ``quantize_model(model, mode, include_lm_head)`` gives after a fp32 load. None for
     modes the loader's dtype already covers (none, bf16)."""
-    mode = QuantMode(mode)
-    if mode not in (QuantMode.INT8, QuantMode.FP8):
+    mode = _as_loaded(QuantMode(mode))
+    if mode not in (QuantMode.INT8, QuantMode.FP8, QuantMode.INT4):
         return None
+    if mode is QuantMode.INT4:
+        return int4.int4_hook(load_quantizer(QuantMode.INT8, include_lm_head), include_lm_head)
 
     def hook(name: str, pieces: Sequence[torch.Tensor]) -> nn.Module | None:
         if name == "lm_head" and not include_lm_head:

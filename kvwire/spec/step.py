@@ -7,10 +7,16 @@ out (1..k + 1); the proposers roll back what was rejected. Runs on the runner's 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvwire.sampling_params import SpeculativeMode
+import torch
+
+from kvwire.grammar import fill_masks
+from kvwire.logits_process import RowContext, apply
+from kvwire.logprobs import token_logprobs
+from kvwire.sampling_params import SpeculativeMode, TokenLogprobs
 from kvwire.spec.config import SpecConfig
 from kvwire.spec.ngram import NgramProposer
 from kvwire.spec.proposer import NONE, Proposal, Proposer
@@ -35,16 +41,51 @@ class Proposers:
 
 
 def decode_step(runner: ModelRunner, proposers: Proposers, batch: Sequence[Request],
-                cfg: SpecConfig) -> list[tuple[list[int], int]]:
+                cfg: SpecConfig) -> list[tuple[list[int], int, list[TokenLogprobs] | None]]:
     """One decode iteration over ``batch`` (requests with their KV in place). Returns (tokens to
-    emit, number proposed) per request; the policy's update (``record``, ``observe``) follows
-    once the scheduler has applied them (``EngineCore.update``)."""
+    emit, number proposed, their logprobs if the request asked) per request; the policy's update
+    (``record``, ``observe``) follows once the scheduler has applied them (``EngineCore.update``)."""
     props = propose(runner, proposers, batch, cfg)
-    logits = runner.step([r.seq for r in batch], [[r.context[-1], *p.tokens] for r, p in zip(batch, props)])
+    grammars = [r.grammar for r in batch if r.grammar is not None]
+    masks = fill_masks(grammars) if grammars else None  # while the forward runs: they need only past tokens
+    raw = runner.step([r.seq for r in batch], [[r.context[-1], *p.tokens] for r, p in zip(batch, props)])
+    logits = processed(batch, props, raw)
+    if masks is not None:
+        logits = constrained(batch, logits, masks)
     emitted = [verify(rows, p.tokens, p.q, r.params, r.generated) for r, p, rows in zip(batch, props, logits)]
+    for r, tokens in zip(batch, emitted):
+        if r.grammar is not None:  # one token: constrained requests propose nothing
+            r.grammar.accept(tokens[0])
     for r, p, tokens in zip(batch, props, emitted):
         rollback(runner, proposers, r, len(p.tokens), len(tokens))
-    return [(tokens, len(p.tokens)) for tokens, p in zip(emitted, props)]
+    # emitted token j was chosen from row j (the row after the pending token and j proposals)
+    return [(tokens, len(p.tokens),
+             None if r.params.logprobs is None else token_logprobs(rows, tokens, r.params.logprobs))
+            for r, p, tokens, rows in zip(batch, props, emitted, raw)]
+
+
+def processed(batch: Sequence[Request], props: Sequence[Proposal], logits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each request's rows [n_i, vocab] as its sampler reads them: processed (kvwire.logits_process)
+    where its params ask, in one batch; row j's history ends with the first j proposals (row j
+    samples the token after them), so verification compares against the distribution plain
+    decoding would sample from. Other requests' rows are returned as they are."""
+    which = [i for i, r in enumerate(batch) if r.params.processed]
+    if not which:
+        return logits
+    ctx = [RowContext(batch[i].params, batch[i].prompt, [*batch[i].output_ids, *props[i].tokens[:j]], batch[i].stops)
+           for i in which for j in range(len(props[i].tokens) + 1)]
+    done = apply(torch.cat([logits[i] for i in which]), ctx).split([len(props[i].tokens) + 1 for i in which])
+    out = list(logits)
+    for i, rows in zip(which, done):
+        out[i] = rows
+    return out
+
+
+def constrained(batch: Sequence[Request], logits: list[torch.Tensor], masks: Future) -> list[torch.Tensor]:
+    """The constrained requests' rows [1, vocab] masked by their grammars (a copy: the raw rows
+    stay for logprobs); the others' untouched. ``masks``: ``fill_masks``'s, waited for here."""
+    masks.result()
+    return [rows if r.grammar is None else r.grammar.mask(rows[0])[None] for r, rows in zip(batch, logits)]
 
 
 def rollback(runner: ModelRunner, proposers: Proposers, req: Request, proposed: int, emitted: int) -> None:

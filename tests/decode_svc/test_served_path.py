@@ -5,7 +5,7 @@ import asyncio
 
 from kvwire.engine.async_engine import merge_queued
 from kvwire.engine.request import RequestOutput
-from kvwire.sampling_params import FinishReason, KVSourceChoice, SamplingParams
+from kvwire.sampling_params import FinishReason, KVSourceChoice, SamplingParams, TokenLogprobs
 from protos.kvwire.v1 import kvwire_pb2 as pb
 from tests.decode_svc.harness import Harness
 
@@ -22,6 +22,10 @@ async def test_merge_keeps_every_token_in_order_and_the_last_finish_reason():
     merged, failure = merge_queued(RequestOutput("r", [1, 2]), q)
     assert (merged.token_ids, merged.finish_reason, failure) == ([1, 2, 3, 4, 5, 6], FinishReason.LENGTH, None)
     assert q.empty()
+    lp = [TokenLogprobs(t, -0.1 * t) for t in range(4)]
+    q = _queue(RequestOutput("r", [2, 3], None, lp[2:]))
+    merged, _ = merge_queued(RequestOutput("r", [0, 1], None, lp[:2]), q)
+    assert merged.token_ids == [0, 1, 2, 3] and merged.logprobs == lp  # logprobs stay beside their tokens
 
 
 async def test_merge_stops_at_the_finish_and_hands_back_a_failure_after_the_tokens():

@@ -178,14 +178,15 @@ def _sample_tokens(core: EngineCore, prompt, params, n_requests, n_tokens):
     counts = torch.zeros(n_tokens, vocab)
     for i in range(n_requests):
         core.add_request(str(i), prompt[:-1], dataclasses.replace(params, seed=1000 + i))
-    batch = core.schedule()
-    out = {req.request_id: [] for req in batch.admitted}
-    for req in batch.admitted:
+    admitted = core.admit()
+    out = {req.request_id: [] for req in admitted}
+    for req in admitted:
         core.runner.prefill(req.seq, req.prompt)
         core.start(req, prompt[-1])
     while any(len(t) < n_tokens for t in out.values()):
-        batch = core.schedule()
-        for o in core.update(batch, core.execute(batch)):
+        plan = core.plan()
+        outputs, _ = core.update(plan, core.execute(plan))
+        for o in outputs:
             out[o.request_id] += o.token_ids
     for req in list(core.requests.values()):
         core.release(req)

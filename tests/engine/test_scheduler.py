@@ -1,5 +1,6 @@
-"""Scheduler: admission against the page budget, bounded FIFO queue, the step's batch, update;
-and BlockTables.max_pages, the one reservation rule (window and speculative lookahead included)."""
+"""Scheduler: admission against the pages free, bounded FIFO queue, growth and preemption, the
+step's plan (decode rows, then prompt chunks within the token budget), update; and
+BlockTables.max_pages, the one reservation rule (window and speculative lookahead included)."""
 from __future__ import annotations
 
 import random
@@ -9,7 +10,7 @@ import pytest
 from kvwire.engine.request import Request, RequestStatus
 from kvwire.engine.scheduler import Scheduler, SchedulerConfig
 from kvwire.errors import ResourceExhausted
-from kvwire.kv.pool import BlockTables, PagePool
+from kvwire.kv.pool import BlockTables, OutOfPages, PagePool
 from kvwire.sampling_params import FinishReason, SamplingParams, SpeculativeMode
 from kvwire.spec import SpecState
 
@@ -26,28 +27,57 @@ def req(rid, prompt_len, max_tokens, k=0, stops=()):
                    SpecState(SpeculativeMode.NGRAM, k_max=k, k=k) if k else None)
 
 
-def test_admits_while_pages_fit_fifo():
+def admit_local(s):
+    """Admit, every new request prefilling here (as LLM does); returns them."""
+    admitted = s.admit()
+    for r in admitted:
+        s.prefill_locally(r)
+    return admitted
+
+
+def run_prefill(s, plan):
+    """Pretend the plan's replays and chunks ran; start the requests whose prompt completed (first token 7)."""
+    for c in plan.replays:
+        s.replay_done(c)
+    for c in plan.chunks:
+        if s.chunk_done(c, c.end) and not c.req.resuming:
+            s.start(c.req, 7)
+
+
+def test_admits_by_what_the_prompt_needs_now_fifo():
     s = make(total=10)
-    a, b, c = req("a", 40, 24), req("b", 40, 24), req("c", 10, 6)  # 4, 4, 1 pages; c behind b
+    a, b, c = req("a", 40, 100), req("b", 40, 100), req("c", 10, 6)  # 3, 3, 1 pages now (prompt + first token)
     for r in (a, b, c):
         s.add(r)
-    batch = s.schedule()
-    assert [r.request_id for r in batch.admitted] == ["a", "b", "c"] and batch.decode == ()
-    assert s.reserved == 9 and all(r.status is RequestStatus.PREFILLING for r in (a, b, c))
-    d = req("d", 30, 2)  # 2 pages: does not fit beside 9
+    assert s.admit() == [a, b, c] and s.reserved == 7
+    assert all(r.status is RequestStatus.PREFILLING for r in (a, b, c))
+    d = req("d", 50, 2)  # 4 pages: does not fit beside 7
     s.add(d)
-    assert s.schedule().admitted == () and d.status is RequestStatus.WAITING
+    assert s.admit() == [] and d.status is RequestStatus.WAITING
     s.finish(a)
-    assert s.schedule().admitted == (d,) and s.reserved == 7
+    assert s.admit() == [d] and s.reserved == 8
+
+
+def test_the_watermark_keeps_a_page_of_growth_per_running_request():
+    s = make(total=6)
+    a = req("a", 16, 60)
+    s.add(a)
+    s.admit()
+    s.start(a, 1)  # running: 2 pages reserved (16 prompt tokens + 1)
+    b = req("b", 50, 1)  # 4 pages: 2 + 4 fits 6, but not with a's next page kept free
+    s.add(b)
+    assert s.admit() == [] and s.reserved == 2
+    s.finish(a)
+    assert s.admit() == [b]
 
 
 def test_head_of_line_blocks_smaller_requests():
     s = make(total=5)
     s.add(req("big", 60, 4))
-    s.schedule()
+    s.admit()
     s.add(req("big2", 60, 4))
     s.add(req("small", 1, 1))
-    assert s.schedule().admitted == ()  # big2 waits for pages; small does not overtake it
+    assert s.admit() == []  # big2 waits for pages; small does not overtake it
 
 
 def test_never_fits_and_queue_full():
@@ -64,7 +94,7 @@ def test_finish_is_idempotent_and_removes_waiting():
     s = make(total=2)
     a, b = req("a", 16, 16), req("b", 16, 16)
     s.add(a)
-    s.schedule()
+    s.admit()
     s.add(b)
     s.finish(b)
     assert not s.waiting
@@ -77,24 +107,144 @@ def test_max_running():
     s = make(total=100, max_running=2)
     for r in "abc":
         s.add(req(r, 1, 1))
-    assert len(s.schedule().admitted) == 2 and len(s.waiting) == 1
+    assert len(s.admit()) == 2 and len(s.waiting) == 1
 
 
-def test_batch_and_update_cut_at_stop_or_length():
+def test_plan_and_update_cut_at_stop_or_length():
     s = make(total=100)
     a, b, c = req("a", 4, 10, stops=[99]), req("b", 4, 3), req("c", 4, 10)
     for r in (a, b, c):
         s.add(r)
-    s.schedule()
+    s.admit()
     assert s.start(a, 7).token_ids == [7] and s.start(b, 8).finish_reason is None
     assert s.start(c, 99).finish_reason is None  # 99 stops a, not c
-    batch = s.schedule()
-    assert batch.admitted == () and batch.decode == (a, b, c)
+    plan = s.plan()
+    assert plan.chunks == () and plan.decode == (a, b, c)
     s.finish(c)  # aborted while the step ran: its tokens are dropped
-    outs = s.update(batch, [[5, 99, 6], [1, 2, 3], [4]])
+    outs = s.update(plan, [[5, 99, 6], [1, 2, 3], [4]])
     assert [(o.request_id, o.token_ids, o.finish_reason) for o in outs] == [
         ("a", [5, 99], FinishReason.STOP), ("b", [1, 2], FinishReason.LENGTH)]
-    assert a.output_ids == [7, 5, 99] and s.schedule().decode == ()
+    assert a.output_ids == [7, 5, 99] and s.plan().decode == ()
+
+
+def test_chunks_are_cut_at_fixed_places_and_fill_the_budget_oldest_first():
+    s = make(total=100, max_num_batched_tokens=64, prefill_chunk=32)
+    d = req("d", 4, 50, k=3)
+    s.add(d)
+    admit_local(s)
+    run_prefill(s, s.plan())
+    a, b, c = req("a", 50, 4), req("b", 40, 4), req("c", 20, 4)
+    for r in (a, b, c):
+        s.add(r)
+    admit_local(s)
+    plan = s.plan()  # d decodes 1 + 3 rows: 60 tokens left, a's first 32 and b's first 32 are 64: only a's
+    assert plan.decode == (d,) and [(x.req, x.start, x.end) for x in plan.chunks] == [(a, 0, 32)]
+    run_prefill(s, plan)
+    plan = s.plan()  # a's last 18, then b's first 32 (50 of 60); c's 20 would pass the budget
+    assert [(x.req, x.start, x.end) for x in plan.chunks] == [(a, 32, 50), (b, 0, 32)]
+    run_prefill(s, plan)
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.PREFILLING and b.computed == 32
+    assert [(x.req, x.start, x.end) for x in s.plan().chunks] == [(b, 32, 40), (c, 0, 20)]
+    # the oldest prompt's chunk goes whatever decode takes of the budget
+    s2 = make(total=100, max_num_batched_tokens=2, prefill_chunk=16)
+    s2.add(req("e", 40, 4))
+    admit_local(s2)
+    assert [x.end for x in s2.plan().chunks] == [16]
+    s3 = make(total=100, max_num_batched_tokens=310, prefill_chunk=None)  # no chunking: whole prompts
+    s3.add(req("f", 300, 4))
+    s3.add(req("g", 30, 4))
+    admit_local(s3)
+    assert [(x.req.request_id, x.end) for x in s3.plan().chunks] == [("f", 300)]
+
+
+def test_the_youngest_is_preempted_and_resumes_from_its_tokens():
+    s = make(total=4)  # 16-token pages
+    old, young = req("old", 15, 40), req("young", 15, 40)
+    for r in (old, young):
+        s.add(r)
+    assert admit_local(s) == [old, young]
+    run_prefill(s, s.plan())
+    s.update(s.plan(), [[1], [1]])  # 17 tokens in context each: 2 pages reserved each
+    plan = s.plan()
+    assert plan.preempted == () and s.reserved == 4
+    s.update(plan, [[2] * 16, [2] * 16])  # 33 each: both need a third page, the pool has 4
+    plan = s.plan()
+    assert plan.preempted == (young,) and plan.decode == (old,) and s.reserved == 3
+    assert young.status is RequestStatus.WAITING and s.waiting[0] is young and s.num_preemptions == 1
+    assert young.output_ids == [7, 1] + [2] * 16  # its tokens are kept
+    s.finish(old)
+    assert s.admit() == []  # readmitted, not new: its KV is recomputed here
+    assert young.status is RequestStatus.PREFILLING and young.prefill_tokens == young.prompt
+    plan = s.plan()  # its prompt again, in the same chunks
+    assert [(c.start, c.end) for c in plan.chunks] == [(0, 15)] and plan.replays == ()
+    run_prefill(s, plan)
+    plan = s.plan()  # then its generated tokens but the pending one, fed as decoding fed them
+    assert plan.chunks == () and [(c.tokens[c.start:c.end], c.start) for c in plan.replays] == [([7, 1] + [2] * 15, 15)]
+    run_prefill(s, plan)
+    assert young.status is RequestStatus.RUNNING and young.generated == 18  # decodes on from its pending token
+    assert s.plan().decode == (young,)
+
+
+def test_a_request_whose_kv_is_imported_is_never_preempted():
+    s = make(total=4)
+    a, remote = req("a", 15, 40), req("remote", 20, 20)
+    s.add(a)
+    admit_local(s)
+    run_prefill(s, s.plan())
+    s.add(remote)
+    assert s.admit() == [remote]  # a remote source fills it: not prefill_locally
+    s.update(s.plan(), [[1] * 17])  # a: 33 tokens, needs a third page; remote holds 2
+    plan = s.plan()
+    assert plan.preempted == (a,) and remote.status is RequestStatus.PREFILLING  # a preempted itself
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reservations_cover_every_page_under_preemption(seed):
+    """Drive the scheduler against real block tables as the engine does (chunks, decode steps with
+    random speculative rows kept, random lengths, a small pool): the tables never run out of
+    pages, every request finishes with all its tokens, and preemptions happen."""
+    rng = random.Random(seed)
+    total, window = [(12, None), (8, 40)][seed % 2]
+    tables = BlockTables(PagePool(total), 16, window)
+    s = Scheduler(SchedulerConfig(total_pages=total, max_running=8, max_num_batched_tokens=48, prefill_chunk=32),
+                  tables.max_pages)
+    reqs = [req(f"r{i}", rng.randint(1, 100), rng.randint(1, 60), k=rng.choice([0, 0, 3])) for i in range(30)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(5000):
+        for r in admit_local(s):
+            pass
+        plan = s.plan()
+        for r in plan.preempted:
+            if r.seq in tables:  # (preempted before its first chunk ran: no pages yet)
+                tables.free(r.seq)
+        for c in plan.replays + plan.chunks:
+            if c.req.seq not in tables:
+                tables.add(c.req.seq)
+            tables.release_outside_window(c.req.seq)
+            tables.append([(c.req.seq, c.end - c.start)])  # raises OutOfPages if a reservation lied
+        outs = []
+        for r in plan.decode:
+            n = 1 + min(s.lookahead(r), r.params.max_tokens - r.generated - 1, 0 if r.spec is None else 3)
+            tables.release_outside_window(r.seq)
+            before = tables.length(r.seq)
+            tables.append([(r.seq, n)])
+            kept = rng.randint(1, n)
+            tables.truncate(r.seq, before + kept)
+            outs.append([5] * kept)
+        for r, o in zip(plan.decode, s.update(plan, outs)):
+            pass
+        run_prefill(s, plan)
+        for r in reqs:
+            if r.finish_reason is not None and r.request_id in s.running:  # the engine releases them
+                s.finish(r)
+                if r.seq in tables:
+                    tables.free(r.seq)
+        assert sum(len(tables.live_pages(r.seq)) for r in reqs if r.seq in tables) <= s.reserved <= total
+        if all(r.status is RequestStatus.FINISHED for r in reqs):
+            break
+    assert all(r.generated == r.params.max_tokens for r in reqs)
+    assert s.num_preemptions > 0 and s.reserved == 0
 
 
 def test_max_pages_without_window_is_the_whole_sequence():
@@ -125,3 +275,24 @@ def test_max_pages_bounds_a_windowed_speculative_sequence(window, prompt_len, k)
         generated += kept
     assert peak <= bound
     assert peak >= bound - 1
+
+
+def test_n_choices_reserve_for_each_and_split_the_reservation_at_the_fork():
+    s = make(total=20)
+    parent = Request("p", next(_seq), [1] * 40, SamplingParams(max_tokens=30, n=3), frozenset())
+    s.add(parent)  # 40 + 30 tokens: 5 pages a choice, 15 <= 20
+    assert admit_local(s) == [parent] and s.reserved == 3 * 3  # prompt + first token, for each choice
+    run_prefill(s, s.plan())
+    children = [Request(f"p#{i}", next(_seq), parent.prompt, parent.params.for_choice(i), frozenset(),
+                        status=RequestStatus.PREFILLING, choice=i) for i in (1, 2)]
+    parent.params = parent.params.for_choice(0)  # as EngineCore.fork leaves it
+    s.start(parent, 5)
+    s.start(children[0], 5)
+    s.start(children[1], 5)
+    children[1].finish_reason = FinishReason.STOP  # ended with its first token: its share goes back
+    s.adopt(parent, children)
+    assert (parent.reserved_pages, children[0].reserved_pages, s.reserved) == (3, 3, 6)
+    assert list(s.running) == ["p", "p#1"]
+    assert [r.request_id for r in s.plan().decode] == ["p", "p#1"] and s.reserved == 6  # nothing to grow yet
+    with pytest.raises(ResourceExhausted, match="for each of n=5 choices"):
+        s.add(Request("q", next(_seq), [1] * 40, SamplingParams(max_tokens=30, n=5), frozenset()))  # 25 > 20

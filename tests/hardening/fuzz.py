@@ -7,11 +7,10 @@ without losing the extremes.
 """
 from __future__ import annotations
 
+from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-
-from protos.kvwire.v1 import kvwire_pb2 as pb
 
 VOCAB = 4096  # the embedded model's vocabulary
 
@@ -45,6 +44,8 @@ OVERRIDES = {
     "stops": st.one_of(st.lists(st.text(max_size=8), max_size=4), st.lists(st.text(max_size=300), max_size=20)),
     "request_id": st.one_of(st.just(""), st.text(max_size=64), st.just("same-id")),
     "num_speculative_tokens": st.one_of(st.integers(0, 20), st.integers(0, 2**32 - 1)),
+    "logit_bias": st.dictionaries(token_ids(), st.one_of(st.floats(-200, 200), sane_float("logit_bias")), max_size=8),
+    "min_tokens": st.one_of(st.integers(0, 4), st.integers(0, 2**32 - 1)),
 }
 
 
@@ -68,7 +69,9 @@ def message(draw, cls, poison: bool = False):
             continue  # unset
         value = draw(OVERRIDES[f.name] if f.name in OVERRIDES else field(f, poison))
         target = getattr(msg, f.name)
-        if f.type == F.TYPE_MESSAGE:
+        if _is_map(f):
+            target.update(value)
+        elif f.type == F.TYPE_MESSAGE:
             if hasattr(target, "add"):
                 for v in value:
                     target.add().CopyFrom(v)
@@ -81,7 +84,15 @@ def message(draw, cls, poison: bool = False):
     return msg
 
 
+def _is_map(f) -> bool:
+    return f.type == F.TYPE_MESSAGE and f.message_type.GetOptions().map_entry
+
+
 def field(f, poison: bool) -> st.SearchStrategy:
+    if _is_map(f):  # map<K, V>: a dict of the entry's key and value types
+        entry = f.message_type
+        return st.dictionaries(scalar(entry.fields_by_name["key"], poison),
+                               scalar(entry.fields_by_name["value"], poison), max_size=8)
     repeated = f.label == F.LABEL_REPEATED if hasattr(f, "label") else f.is_repeated
     one = scalar(f, poison)
     return st.lists(one, max_size=8) if repeated else one
@@ -103,7 +114,7 @@ def scalar(f, poison: bool) -> st.SearchStrategy:
     if f.type == F.TYPE_ENUM:
         return st.one_of(st.sampled_from([v.number for v in f.enum_type.values]), st.integers(-5, 1000))
     if f.type == F.TYPE_MESSAGE:
-        return message(getattr(pb, f.message_type.name), poison)
+        return message(message_factory.GetMessageClass(f.message_type), poison)  # nested types too
     raise NotImplementedError(f"field type {f.type} of {f.full_name}")
 
 

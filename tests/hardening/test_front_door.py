@@ -162,15 +162,20 @@ def test_token_limit_refuses_after_tokenizing_off_the_event_loop(tmp_path):
         poller = HealthPoller(svc.addr)
         with grpc.insecure_channel(svc.addr, options=[("grpc.max_send_message_length", BIG)]) as ch:
             stub = pbg.TokenizerServiceStub(ch)
+            took = time.perf_counter()
             with pytest.raises(grpc.RpcError) as e:
                 stub.Tokenize(pb.TokenizeRequest(text=big_prompt(0)[:1_500_000]), timeout=60)
+            took = time.perf_counter() - took
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-tokens" in e.value.details()
             with pytest.raises(grpc.RpcError) as e:
                 stub.Tokenize(pb.TokenizeRequest(text="x" * ((2 << 20) + 1)), timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-bytes" in e.value.details()
             assert len(stub.Tokenize(pb.TokenizeRequest(text="short and fine"), timeout=10).token_ids) > 0
         poller.stop()
-        print(f"health p99 {p99(poller.latencies) * 1e3:.1f} ms over {len(poller.latencies)} checks")
-        assert p99(poller.latencies) < 0.100
+        print(f"health p99 {p99(poller.latencies) * 1e3:.1f} ms, max {max(poller.latencies) * 1e3:.1f} ms over "
+              f"{len(poller.latencies)} checks; tokenizing took {took * 1e3:.0f} ms")
+        # Tokenized on the event loop, a health check would wait for the whole tokenization: relative to
+        # it, not to a wall-clock bound, so a loaded machine slows both sides alike.
+        assert max(poller.latencies) < max(0.100, took / 2)
     finally:
         assert svc.stop() == 0

@@ -60,3 +60,30 @@ def test_a_failing_triton_launch_falls_back_to_the_reference_and_logs_once(faili
                    for a, b in zip((k_pages, v_pages, k_s, v_s), want))
     failures = [r for r in caplog.records if "failed at launch" in r.getMessage()]
     assert len(failures) == 1 and "dequantize_pages" in failures[0].getMessage()
+
+
+def test_a_failing_gguf_launch_falls_back_to_the_reference_and_logs_once(monkeypatch, caplog):
+    """The GGUF matmul (GGUFLinear on a CUDA device) the same way, and apart from the KV ops."""
+    if os.environ.get("TRITON_INTERPRET"):
+        monkeypatch.delenv("TRITON_INTERPRET")
+    pytest.importorskip("triton")
+    spec = importlib.util.spec_from_file_location("_triton_gguf_for_fallback",
+                                                  Path(kvwire_kernels.__file__).parent / "triton_gguf.py")
+    compiled = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compiled)
+    monkeypatch.setattr(dispatch, "_gguf_tried", True)
+    monkeypatch.setattr(dispatch, "_triton_gguf", compiled)
+    monkeypatch.setattr(dispatch, "_wants_triton", lambda t: True)
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (16, 2 * 34), dtype=torch.uint8, generator=g)  # Q8_0, 64 inputs
+    raw.view(16, 2, 34)[..., :2] = torch.tensor([0x00, 0x1C], dtype=torch.uint8)  # d = 2**-8 (fp16 0x1C00)
+    x = torch.randn(3, 64, generator=g)
+    with pytest.raises(Exception):  # the premise: the real launch fails here
+        compiled.linear(x, raw, "Q8_0")
+    kv_before = dispatch._triton_kv
+    with caplog.at_level(logging.ERROR, logger="kvwire_kernels.dispatch"):
+        for _ in range(2):
+            assert torch.equal(dispatch.linear_gguf(x, raw, "Q8_0"), reference.linear_gguf(x, raw, "Q8_0"))
+    assert dispatch._triton_gguf is None and dispatch._triton_kv is kv_before  # the KV kernels are not given up
+    failures = [r for r in caplog.records if "failed at launch" in r.getMessage()]
+    assert len(failures) == 1 and "Q8_0" in failures[0].getMessage()

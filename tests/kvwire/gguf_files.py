@@ -122,11 +122,14 @@ def random_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, rng: np.ran
 
 
 def write_random(path: Path, qtype: GGMLQuantizationType, tok: Tokenizer, hidden: int = 256,
-                 inter: int = 512, heads: int = 4, kv_heads: int = 2, layers: int = 1, seed: int = 0) -> Path:
-    """A llama-layout GGUF whose matrices are random ``qtype`` blocks (types gguf cannot quantize to)."""
+                 inter: int = 512, heads: int = 4, kv_heads: int = 2, layers: int = 1, seed: int = 0,
+                 types: dict[str, GGMLQuantizationType] | None = None) -> Path:
+    """A llama-layout GGUF whose matrices are random ``qtype`` blocks (types gguf cannot quantize to);
+    ``types``: another type for some tensors, by name suffix (``attn_v.weight``), as Q4_K_M files mix them."""
     rng = np.random.default_rng(seed)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     d = hidden // heads
+    default = qtype
     w = GGUFWriter(path, "llama")
     w.add_block_count(layers)
     w.add_context_length(256)
@@ -141,6 +144,7 @@ def write_random(path: Path, qtype: GGMLQuantizationType, tok: Tokenizer, hidden
     add_bpe_tokenizer(w, tok)
 
     def matrix(name: str, rows: int, cols: int) -> None:
+        qtype = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), default)
         if qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.F32):
             add_matrix(w, name, rng.normal(0, 0.05, (rows, cols)), qtype)
         else:

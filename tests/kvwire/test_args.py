@@ -21,8 +21,8 @@ def flags(service: str) -> set[str]:
 
 
 def test_each_service_takes_its_sections_with_its_own_defaults():
-    assert len(service_flags("decode_svc")) == 47 and len(service_flags("prefill_svc")) == 22
-    assert len(service_flags("tokenizer_svc")) == 28  # its 25, --decode-routing(-load-factor) and the shared --log-level
+    assert len(service_flags("decode_svc")) == 50 and len(service_flags("prefill_svc")) == 22
+    assert len(service_flags("tokenizer_svc")) == 30  # its 27, --decode-routing(-load-factor) and the shared --log-level
     d, p, t = (parse_args(s, []) for s in ("decode_svc", "prefill_svc", "tokenizer_svc"))
     assert (d.serving.listen, p.serving.listen, t.serving.listen) == ("127.0.0.1:50052", "127.0.0.1:50053",
                                                                       "127.0.0.1:50051")
@@ -76,9 +76,17 @@ def test_range_checks_are_value_errors_for_llm():
     with pytest.raises(ValueError, match="--ngram-min"):
         EngineArgs.from_llm_kwargs("m", ngram_min=3, ngram_max=2)
     with pytest.raises(ValueError, match="not a valid WeightsMode"):
-        EngineArgs.from_llm_kwargs("m", weights="int4")
+        EngineArgs.from_llm_kwargs("m", weights="int3")
     with pytest.raises(TypeError, match="unknown argument: listen"):  # a serving flag is not an LLM keyword
         EngineArgs.from_llm_kwargs("m", listen="x")
+
+
+@pytest.mark.parametrize("service", ["prefill_svc", "decode_svc"])
+def test_weights_gguf_is_served(service):
+    assert parse_args(service, ["--weights", "gguf"]).model.weights is WeightsMode.GGUF
+    assert EngineArgs.from_llm_kwargs("m", weights="gguf").model.weights is WeightsMode.GGUF
+    assert parse_args(service, ["--weights", "int4"]).model.weights is WeightsMode.INT4
+    assert parse_args(service, ["--weights", "int4-awq"]).model.weights is WeightsMode.INT4_AWQ
 
 
 def test_llm_keywords_keep_their_defaults_and_deprecated_aliases():
@@ -123,7 +131,7 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     ("num-pagez = 3\n", "unknown key 'num-pagez'"),
     ("[speculative]\nweird = 1\n", "unknown key 'weird'"),
     ('speculative = "ngram"\n', "unknown key 'speculative'"),  # not a prefill_svc flag
-    ('weights = "int4"\n', "choose from"),
+    ('weights = "int3"\n', "choose from"),
     ('num-pages = "many"\n', "expected int"),
     ("prefix-caching = 1\n", "expected true or false"),
     ("num-pages = [", "--config"),
@@ -142,12 +150,15 @@ def test_config_file_values_are_range_checked(tmp_path, capsys):
 
 def test_mirrored_defaults_match_their_owners():
     from decode_svc.remote_prefill import DEFAULT_TRANSFER_TIMEOUT_S
+    from kvwire.engine.scheduler import SchedulerConfig
     from kvwire.spec import SpecConfig
     from tokenizer_svc import routing, server
 
     assert (kargs.ROUTING_LOAD_FACTOR, routing.RoutingConfig.policy) == (routing.RoutingConfig.load_factor, "round_robin")
     assert tuple(m.value for m in kargs.DecodeRouting) == routing.POLICIES
     assert kargs.DEFAULT_TRANSFER_TIMEOUT_S == DEFAULT_TRANSFER_TIMEOUT_S
+    assert (kargs.MAX_NUM_BATCHED_TOKENS, kargs.PREFILL_CHUNK, 1024) == (
+        SchedulerConfig.max_num_batched_tokens, SchedulerConfig.prefill_chunk, SchedulerConfig.max_waiting)
     assert (kargs.SPEC_NGRAM_MAX, kargs.SPEC_GREEDY_MAX_BATCH) == (SpecConfig.ngram_max, SpecConfig.greedy_max_batch)
     assert (kargs.FRONT_DOOR_MESSAGE_BYTES, kargs.MAX_PROMPT_BYTES, kargs.MAX_PROMPT_TOKENS, kargs.TOKENIZE_WORKERS) == (
         server.DEFAULT_FRONT_DOOR_MESSAGE_BYTES, server.DEFAULT_MAX_PROMPT_BYTES, server.DEFAULT_MAX_PROMPT_TOKENS,

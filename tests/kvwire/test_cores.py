@@ -15,7 +15,7 @@ from kvwire import LLM, SamplingParams
 from kvwire.config import DEFAULT_MODEL_DIR
 from kvwire_serving.cores import CoreShare, use_threads
 from kvwire.engine.async_engine import AsyncEngine
-from kvwire.engine.kv_source import KVSources
+from kvwire.engine.kv_source import KVSources, LocalPrefill
 from prefill_svc.runner import Aborted, PrefillRunner
 
 
@@ -102,7 +102,7 @@ def test_decode_steps_on_the_lent_cores_and_marks_itself_idle_when_done(llm, tmp
     llm.core.execute = lambda batch: steps.append(torch.get_num_threads()) or execute(batch)
 
     async def generate() -> list[int]:
-        engine = AsyncEngine(llm.core, KVSources(llm.kv_source), cores=CoreShare(path, "decode", own=1, total=2))
+        engine = AsyncEngine(llm.core, KVSources(LocalPrefill(llm.core.runner)), cores=CoreShare(path, "decode", own=1, total=2))
         engine.start()
         try:
             out = []

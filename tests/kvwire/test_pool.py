@@ -14,7 +14,7 @@ def test_allocate_free_and_stats():
     pool.free(a)
     assert pool.num_free == 3
     assert sorted(pool.allocate(3)) == sorted(a)
-    assert pool.stats() == {"num_pages": 8, "used": 8, "free": 0, "peak_used": 8}
+    assert pool.stats() == {"num_pages": 8, "used": 8, "free": 0, "peak_used": 8, "shared": 0}
 
 
 def test_out_of_pages_allocates_nothing():

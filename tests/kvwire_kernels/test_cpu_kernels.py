@@ -337,6 +337,34 @@ def _probe(env: dict) -> str:
                           env={**os.environ, **env}).stdout.strip()
 
 
+@pytest.mark.parametrize("n,ctx,h,hkv,d,window", [
+    (512, 0, 9, 3, 64, None),  # SmolLM2's heads, one fresh prompt
+    (37, 0, 9, 3, 64, None),  # rows not a multiple of a task's 4
+    (100, 250, 8, 2, 128, None),  # a later chunk after 250 positions of context, head_dim 128
+    (300, 0, 4, 4, 32, 64),  # no GQA, a sliding window shorter than the prompt
+    (200, 100, 9, 3, 64, 50),  # window and context
+    (5, 40, 6, 2, 16, None),
+])
+def test_prefill_attention_matches_masked_sdpa_and_ignores_threads(n, ctx, h, hkv, d, window):
+    from kvwire.kv.dense import attention_mask, sdpa_gqa
+    g = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, h, d, generator=g)
+    k, v = torch.randn(ctx + n, hkv, d, generator=g), torch.randn(ctx + n, hkv, d, generator=g)
+    q0, k0 = 7 + ctx, 7  # positions: keys from 7, the queries are the keys' last n
+    out = cpu.prefill_attention(q, k, v, q0, k0, window, d ** -0.5)
+    mask = attention_mask(torch.arange(q0, q0 + n), torch.arange(k0, k0 + ctx + n), window)
+    torch.testing.assert_close(out, sdpa_gqa(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, cpu.prefill_attention(q, k, v, q0, k0, window, d ** -0.5, threads=1))
+    # a row's result does not depend on the rows computed beside it (chunk boundaries)
+    assert torch.equal(out[-3:], cpu.prefill_attention(q[-3:], k, v, q0 + n - 3, k0, window, d ** -0.5))
+
+
+def test_prefill_attention_refuses_queries_outside_the_keys():
+    q, k = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    with pytest.raises(ValueError, match="outside keys"):
+        cpu.prefill_attention(q, k, k, 1, 0, None, 0.25)  # the last query at 4, keys end at 3
+
+
 def test_prebuilt_binaries_serve_where_there_is_no_compiler(tmp_path):
     built = cpu.prebuild(tmp_path)
     assert {p.name.split("_")[2] for p in built} == set(cpu.LEVELS)

@@ -19,13 +19,13 @@ def cfg(tmp_path_factory):
 
 async def test_pages_and_first_token_are_computed_on_the_worker_not_the_event_loop(cfg, monkeypatch):
     threads: dict[str, set[str]] = {"layer_pages": set(), "sample": set()}
-    sample = server.sample
+    sample = server.sample_first
 
     def recorded_sample(*args):
         threads["sample"].add(threading.current_thread().name)
         return sample(*args)
 
-    monkeypatch.setattr(server, "sample", recorded_sample)
+    monkeypatch.setattr(server, "sample_first", recorded_sample)
     async with Harness(cfg) as h:
         layer_pages = h.prefill_runner.layer_pages
 

@@ -84,3 +84,14 @@ def test_stable_field_numbers_of_the_kv_messages():
     fp = {f.name: f.number for f in pb.ModelFingerprint.DESCRIPTOR.fields}
     assert 6 not in fp.values()  # was `string quantization`; reserved, never reused
     assert fp["weights_mode"] == 8 and fp["weights_dtype"] == 7 and fp["tokenizer_sha256"] == 5
+
+
+def test_every_weights_mode_crosses_the_wire_in_the_fingerprint():
+    from kvwire.config import WeightsMode
+    from kvwire.fingerprint import Fingerprint
+    from protos.convert import fingerprint_from_pb, fingerprint_to_pb
+    for mode in WeightsMode:
+        f = Fingerprint("m", "LlamaForCausalLM", "a" * 64, "b" * 64, "c" * 64, mode.value, "fp32")
+        m = fingerprint_to_pb(f)
+        assert m.weights_mode != pb.WEIGHTS_MODE_UNSPECIFIED and fingerprint_from_pb(m) == f
+    assert pb.WEIGHTS_MODE_INT4 == 6 and pb.WEIGHTS_MODE_INT4_AWQ == 7

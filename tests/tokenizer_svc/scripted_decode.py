@@ -15,8 +15,9 @@ class ScriptedDecode(pb_grpc.DecodeServiceServicer):
     cancellation."""
 
     def __init__(self, reply=(), delay=0.0, endless=False, abort: grpc.StatusCode | None = None,
-                 abort_after: int = 0):
+                 abort_after: int = 0, finish: int = pb.FINISH_REASON_LENGTH):
         self.reply, self.delay, self.endless, self.abort = list(reply), delay, endless, abort
+        self.finish = finish  # the finish reason of the last message
         self.abort_after = abort_after
         self.requests: list[pb.GenerateTokensRequest] = []
         self.cancelled = asyncio.Event()
@@ -36,16 +37,33 @@ class ScriptedDecode(pb_grpc.DecodeServiceServicer):
                     await asyncio.sleep(self.delay)
                     self.sent += 1
                     sent_here += 1
-                    yield pb.GenerateTokensResponse(token_ids=[token])
+                    prompt = scripted_prompt_logprobs(request) if sent_here == 1 else []
+                    yield pb.GenerateTokensResponse(token_ids=[token], logprobs=scripted_logprobs(request, token),
+                                                    prompt_logprobs=prompt)
                 if not self.endless:
                     break
             completed = True
             yield pb.GenerateTokensResponse(
-                finish_reason=pb.FINISH_REASON_LENGTH,
+                finish_reason=self.finish,
                 usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=self.sent))
         finally:
             if not completed:
                 self.cancelled.set()
+
+
+def scripted_logprobs(request: pb.GenerateTokensRequest, token: int) -> list[pb.TokenLogprob]:
+    """When asked: token t has logprob -t/100; the top k are t, t+1, ... at -t/100, -(t+1)/100, ..."""
+    if not request.sampling.HasField("logprobs"):
+        return []
+    top = [pb.TopLogprob(token_id=token + i, logprob=-(token + i) / 100) for i in range(request.sampling.logprobs)]
+    return [pb.TokenLogprob(token_id=token, logprob=-token / 100, top_logprobs=top)]
+
+
+def scripted_prompt_logprobs(request: pb.GenerateTokensRequest) -> list[pb.TokenLogprob]:
+    """When asked: prompt token t (after the first) has logprob -t/1000, and no top entries."""
+    if not request.sampling.HasField("prompt_logprobs"):
+        return []
+    return [pb.TokenLogprob(token_id=t, logprob=-t / 1000) for t in request.prompt_token_ids[1:]]
 
 
 @contextlib.asynccontextmanager

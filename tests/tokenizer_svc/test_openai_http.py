@@ -25,12 +25,13 @@ MODEL = "tiny"
 
 
 @contextlib.asynccontextmanager
-async def door(tokenizer, decode: ScriptedDecode | None, tp=None):
-    """HTTP door -> TokenizerServicer -> decode on loopback; yields (AsyncOpenAI, base url)."""
+async def door(tokenizer, decode: ScriptedDecode | None, tp=None, **http_kw):
+    """HTTP door -> TokenizerServicer -> decode on loopback; yields (AsyncOpenAI, base url).
+    ``http_kw``: more OpenAIHttpServer options (cors_origins, tokens)."""
     async with served(decode, tp) as decode_addr:
         channel = build_channel(decode_addr, tracer_provider=tp)
         http = OpenAIHttpServer(TokenizerServicer(tokenizer, pb_grpc.DecodeServiceStub(channel), MODEL),
-                                MODEL, max_body_bytes=1 << 16, grace_s=1, tracer_provider=tp)
+                                MODEL, max_body_bytes=1 << 16, grace_s=1, tracer_provider=tp, **http_kw)
         port = await http.start("127.0.0.1:0")
         base = f"http://127.0.0.1:{port}/v1"
         client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=20)
@@ -116,7 +117,7 @@ def test_completions_whole_and_streamed_with_openai_default_max_tokens(tokenizer
     assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(reply)
     assert chunks[-1].choices[0].finish_reason == "length"
     assert [r.sampling.max_tokens for r in decode.requests] == [16, 16]  # OpenAI's completions default
-    assert decode.requests[0].sampling.temperature == 0.0
+    assert decode.requests[0].sampling.temperature == 1.0  # omitted: OpenAI's (no generation_config value)
 
 
 def test_chat_without_max_tokens_leaves_the_service_default(tokenizer):
@@ -171,8 +172,25 @@ def test_models_list_and_retrieve(tokenizer):
     (dict(max_completion_tokens=-3), openai.BadRequestError, "max_completion_tokens"),
     (dict(seed=-1), openai.BadRequestError, "seed"),
     (dict(extra_body={"ignore_eos": "yes"}), openai.BadRequestError, "ignore_eos"),
-    (dict(n=2), openai.BadRequestError, "n"),
-    (dict(logprobs=True), openai.BadRequestError, "logprobs"),
+    (dict(n=17), openai.BadRequestError, "n"),
+    (dict(n=2, extra_body={"best_of": 3}), openai.BadRequestError, "best_of"),
+    (dict(top_logprobs=3), openai.BadRequestError, "top_logprobs"),  # without logprobs: true
+    (dict(logprobs=True, top_logprobs=21), openai.BadRequestError, "top_logprobs"),
+    (dict(presence_penalty=2.5), openai.BadRequestError, "presence_penalty"),
+    (dict(logit_bias={"x": 1}), openai.BadRequestError, "logit_bias"),
+    (dict(extra_body={"min_tokens": 50}, max_tokens=10), openai.BadRequestError, None),  # together: no one param
+    (dict(extra_body={"repetition_penalty": 0}), openai.BadRequestError, "repetition_penalty"),
+    (dict(response_format={"type": "xml"}), openai.BadRequestError, "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": '{"type": "object"'}}),
+     openai.BadRequestError, "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"}), openai.BadRequestError,
+     "guided_regex"),
+    (dict(functions=[{"name": "f"}]), openai.BadRequestError, "functions"),
+    (dict(reasoning_effort="low"), openai.BadRequestError, "reasoning_effort"),
+    (dict(extra_body={"guided_json": "{not json"}), openai.BadRequestError, "guided_json"),
+    (dict(extra_body={"guided_choice": "yes"}), openai.BadRequestError, "guided_choice"),
+    (dict(extra_body={"structured_outputs": {"regex": "a+"}}), openai.BadRequestError, "structured_outputs"),
+    (dict(extra_body={"echo": True}), openai.BadRequestError, "echo"),
     (dict(stop=[""]), openai.BadRequestError, "stop"),
     (dict(stop=["x"] * 17), openai.BadRequestError, "stop"),
     (dict(messages=[]), openai.BadRequestError, "messages"),
