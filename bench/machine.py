@@ -60,17 +60,31 @@ def gpu_info(device: str) -> dict:
 
 
 def cpu_info() -> dict:
-    model, flags = platform.processor() or platform.machine(), set()
+    """Model name, family / model numbers and instruction sets. A virtual machine may show only
+    "AMD EPYC" as its name: the family tells the generations apart (AMD family 25 = Zen 3/4, where a
+    512-bit instruction takes two passes; 26 = Zen 5, full width), which move kernel figures a lot."""
+    model, flags, ids = platform.processor() or platform.machine(), set(), {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name":
+                model = value.strip()
+            elif key == "flags":
+                flags = set(value.split())
+            elif key in ("cpu family", "model") and value.strip().isdigit():
+                ids.setdefault("cpu_family" if key == "cpu family" else "cpu_model", int(value))
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return {"cpu": model, "isa": [f for f in ISA if f in flags], "memory_gib": round(mem / 2**30, 1)}
+    return {"cpu": model, **ids, "isa": [f for f in ISA if f in flags], "memory_gib": round(mem / 2**30, 1)}
+
+
+def cpu_name(f: dict) -> str:
+    """'AMD EPYC (family 25, model 17)': the name with the numbers that tell its generation."""
+    if "cpu_family" not in f:
+        return f["cpu"]
+    return f"{f['cpu']} (family {f['cpu_family']}, model {f.get('cpu_model', '-')})"
 
 
 def facts(bandwidth: bool = True, device: str = "cpu") -> dict:
@@ -98,6 +112,6 @@ def describe(f: dict) -> str:
     gpu = (f"GPU: {f['gpu']} ({f['gpu_memory_gib']} GiB, {f['gpu_sms']} SMs, CUDA {f['cuda']}), "
            f"{f['gpu_read_bandwidth_gbs']} GB/s read bandwidth measured in this run (rooflines use it). "
            if f.get("gpu") else "")
-    return gpu + (f"Machine: {f['cpu']}, {f['cores']} cores ({f['torch_threads']} torch threads), "
+    return gpu + (f"Machine: {cpu_name(f)}, {f['cores']} cores ({f['torch_threads']} torch threads), "
             f"{f['memory_gib']} GiB, ISA {' '.join(f['isa']) or '-'}; {bw}; torch {f['torch']}; "
             f"1-minute load average {f.get('load_avg_1m', '-')} at the start (other work on the shared CPU).")

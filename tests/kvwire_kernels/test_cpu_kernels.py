@@ -245,6 +245,27 @@ def test_write_kv_bit_exact(fp8):
 
 
 @pytest.mark.parametrize("fp8", [True, False])
+def test_dispatch_writes_kv_through_the_c_kernel_with_the_reference_bytes(fp8, monkeypatch):
+    """The paged cache's writes (kvwire_kernels.dispatch) take the C kernel on CPU, from the strided
+    views a model's split gives, and the pages hold what the reference writes."""
+    from kvwire_kernels import dispatch
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(24, 5 * 64, generator=g) * 4
+    k_new, v_new = qkv[:, 3 * 64:4 * 64].view(24, 1, 64), qkv[:, 4 * 64:].view(24, 1, 64)  # strided
+    slots = torch.randperm(12 * 16, generator=g)[:24]
+    called = []
+    real = cpu.write_kv
+    monkeypatch.setattr(cpu, "write_kv", lambda *a: (called.append(1), real(*a))[1])
+    ours, ref = _pages(fp8, hkv=1), _pages(fp8, hkv=1)
+    dispatch.write_kv(*ours, k_new, v_new, slots)
+    reference.write_kv(*ref, k_new, v_new, slots)
+    assert called == [1]
+    for a, b in zip(ours, ref):
+        if a is not None:
+            assert torch.equal(_raw(a), _raw(b))
+
+
+@pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_attention_matches_reference(fp8, window):
     g = torch.Generator().manual_seed(4)
