@@ -63,7 +63,7 @@ def write_kv(k_pages, v_pages, k_scale, v_scale, k_new, v_new, slot_mapping) -> 
     """Quantize and write new K/V into their slots, in place (see ``kvwire_kernels.reference.write_kv``).
 
     On CPU the C kernel writes the reference's bytes (tested bit for bit) in one call where the
-    reference makes a dozen torch calls per layer: 5-15% of a prompt's prefill on the SmolLM2 shape."""
+    reference makes a dozen torch calls per layer (its cost: CHANGELOG, serving under load)."""
     pages = (k_pages, v_pages, k_scale, v_scale)
     if not _wants_triton(k_pages) and k_new.dtype == v_new.dtype == torch.float32 \
             and slot_mapping.dtype == torch.int64 and all(t is None or t.is_contiguous() for t in pages) \
