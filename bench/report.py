@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import common, machine
+from bench import common
 
 RESULTS = common.ROOT / "docs" / "results"
 README = common.ROOT / "README.md"
@@ -254,8 +254,13 @@ def _machine_line(reports: list[dict]) -> str:
     m = next((r["machine"] for r in reports if r["machine"].get("read_bandwidth_gbs")), reports[0]["machine"])
     loads = ", ".join(f"{r['benchmark']} {_peak_load(r) if _peak_load(r) is not None else '-'}" for r in reports)
     bw = f", {m['read_bandwidth_gbs']} GB/s read bandwidth" if m.get("read_bandwidth_gbs") else ""
-    return (f"{machine.cpu_name(m)}, {m['cores']} cores, {m.get('memory_gib', '-')} GiB, ISA {' '.join(m.get('isa', [])) or '-'}"
+    line = (f"{m['cpu']}, {m['cores']} cores, {m.get('memory_gib', '-')} GiB, ISA {' '.join(m.get('isa', [])) or '-'}"
             f"{bw}; torch {m.get('torch', '-')}; 1-minute load average ({loads})")
+    if any("cpu_family" in r["machine"] for r in reports):  # one slug can hold two CPU generations
+        line += "; CPU family / model per run (" + ", ".join(
+            f"{r['benchmark']} {r['machine'].get('cpu_family', '?')}/{r['machine'].get('cpu_model', '?')}"
+            for r in reports) + ", ? = not recorded)"
+    return line
 
 
 def _load_warning(reports: list[dict]) -> str:

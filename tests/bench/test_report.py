@@ -244,3 +244,12 @@ def test_a_load_that_rose_during_a_served_run_is_flagged(repo):
     f.write_text(json.dumps(rep))
     assert "oversubscribed during serve-vs-vllm (load average up to 4.3 on 2 cores)" in report.headline(
         report.load(tmp / "results"))
+
+
+def test_the_machine_line_names_each_runs_cpu_family_once_some_run_recorded_it():
+    """Two CPU generations can share a slug ("AMD EPYC" in a VM): the line says which run ran where."""
+    old, new = engine_report(), {**engine_report(), "benchmark": "serve-vs-vllm",
+                                 "machine": {**MACHINE, "cpu_family": 25, "cpu_model": 17}}
+    assert "family" not in report._machine_line([old])
+    line = report._machine_line([old, new])
+    assert "engine ?/?" in line and "serve-vs-vllm 25/17" in line
