@@ -541,7 +541,7 @@ ALWAYS_INLINE void gemm_tile(act8_t a, int64_t in, const uint8_t *wp, int64_t o0
     for (int64_t b = 0; b < in; b += 32) {
         for (int r = 0; r < NR; r++) sum[r] = _mm512_setzero_si512();
         /* Unrolled: as a loop, GCC 12 copied every sum register twice per multiply at the back edge
-         * (1.31x slower at 512 rows; docs/decisions/044-cpu-kernel-tuning.md). */
+         * (measured in docs/decisions/044-cpu-kernel-tuning.md). */
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
 #ifdef KVW_ROW_PF
