@@ -15,19 +15,25 @@ import kvwire_kernels
 from kvwire_kernels import dispatch, reference
 
 
-@pytest.fixture
-def failing_triton(monkeypatch):
+def compiled_for_cpu_tensors(monkeypatch, name: str, tried: str, loaded: str):
+    """kvwire_kernels/<name>.py loaded for real (no interpreter) as the dispatcher's ``loaded`` module,
+    with CPU tensors sent down the Triton path, where the real launch fails."""
     if os.environ.get("TRITON_INTERPRET"):
         monkeypatch.delenv("TRITON_INTERPRET")
     pytest.importorskip("triton")
-    spec = importlib.util.spec_from_file_location("_triton_kv_for_fallback",
-                                                  Path(kvwire_kernels.__file__).parent / "triton_kv.py")
+    spec = importlib.util.spec_from_file_location(f"_{name}_for_fallback",
+                                                  Path(kvwire_kernels.__file__).parent / f"{name}.py")
     compiled = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compiled)
-    monkeypatch.setattr(dispatch, "_triton_tried", True)
-    monkeypatch.setattr(dispatch, "_triton_kv", compiled)
+    monkeypatch.setattr(dispatch, tried, True)
+    monkeypatch.setattr(dispatch, loaded, compiled)
     monkeypatch.setattr(dispatch, "_wants_triton", lambda t: True)  # CPU tensors take the Triton path
     return compiled
+
+
+@pytest.fixture
+def failing_triton(monkeypatch):
+    return compiled_for_cpu_tensors(monkeypatch, "triton_kv", "_triton_tried", "_triton_kv")
 
 
 def pages(seed: int = 0):
@@ -64,16 +70,7 @@ def test_a_failing_triton_launch_falls_back_to_the_reference_and_logs_once(faili
 
 def test_a_failing_gguf_launch_falls_back_to_the_reference_and_logs_once(monkeypatch, caplog):
     """The GGUF matmul (GGUFLinear on a CUDA device) the same way, and apart from the KV ops."""
-    if os.environ.get("TRITON_INTERPRET"):
-        monkeypatch.delenv("TRITON_INTERPRET")
-    pytest.importorskip("triton")
-    spec = importlib.util.spec_from_file_location("_triton_gguf_for_fallback",
-                                                  Path(kvwire_kernels.__file__).parent / "triton_gguf.py")
-    compiled = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compiled)
-    monkeypatch.setattr(dispatch, "_gguf_tried", True)
-    monkeypatch.setattr(dispatch, "_triton_gguf", compiled)
-    monkeypatch.setattr(dispatch, "_wants_triton", lambda t: True)
+    compiled = compiled_for_cpu_tensors(monkeypatch, "triton_gguf", "_gguf_tried", "_triton_gguf")
     g = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (16, 2 * 34), dtype=torch.uint8, generator=g)  # Q8_0, 64 inputs
     raw.view(16, 2, 34)[..., :2] = torch.tensor([0x00, 0x1C], dtype=torch.uint8)  # d = 2**-8 (fp16 0x1C00)
