@@ -33,9 +33,10 @@ OUT = common.OUT
 WEIGHTS = (QuantMode.BF16, QuantMode.INT8, QuantMode.FP8)
 KVS = (KVDtype.BF16, KVDtype.FP8_E4M3)
 # % perplexity, weights alone. gguf: against bf16 of the same file, so only its int8 activations differ.
-# int4 / int4-awq: 4-bit groups of 32 from the float weights (decision 066).
+# int4 / int4-awq / int4-gptq: 4-bit groups of 32 from the float weights (decisions 066, 067); the
+# calibrated modes take the tighter budget.
 BUDGET = {QuantMode.BF16: 0.0, QuantMode.INT8: 1.0, QuantMode.FP8: 2.0, QuantMode.GGUF: 1.0,
-          QuantMode.INT4: 3.0, QuantMode.INT4_AWQ: 2.0}
+          QuantMode.INT4: 3.0, QuantMode.INT4_AWQ: 2.0, QuantMode.INT4_GPTQ: 2.0}
 KV_BUDGET = 0.5
 PEERS = ("f16", "q8_0")  # llama.cpp GGUF types; "file": a GGUF checkpoint as shipped
 FILE_GOAL = 0.5  # % perplexity: gguf weights against llama.cpp on the same GGUF file
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
               "model_path": str(path), "held_out_tokens": len(windows) * args.window, "windows": len(windows),
               "prompts": len(prompts), "generated": args.gen, "chunk": args.chunk, "threads": args.threads,
               "results": results, "llamacpp": peers, "llamacpp_kl_vs_bf16": peer_kl, "wall_s": time.perf_counter() - t0,
-              "calibration": CALIBRATION.describe() if QuantMode.INT4_AWQ in weights else None,
+              "calibration": CALIBRATION.describe() if {QuantMode.INT4_AWQ, QuantMode.INT4_GPTQ} & set(weights) else None,
               "command": "python -m bench accuracy " + " ".join(argv if argv is not None else [])}
     common.save(report, markdown(report), args.out)
     return report
@@ -218,13 +219,14 @@ def markdown(report: dict) -> str:
         lines += ["", f"gguf weights vs llama.cpp on the same file (same token ids): {ours:.3f} vs {shipped:.3f} "
                       f"({delta:+.2f}%; goal within {FILE_GOAL}%: {'met' if abs(delta) <= FILE_GOAL else 'MISSED'})."]
     q4 = report.get("llamacpp", {}).get("q4_k_m")
-    for mode in ("int4", "int4-awq"):
+    for mode in ("int4", "int4-awq", "int4-gptq"):
         if isinstance(q4, float) and f"{mode}/bf16" in r:
             ours = r[f"{mode}/bf16"]["perplexity"]
             lines += ["", f"{mode} weights vs llama.cpp q4_k_m of the same weights (same token ids): {ours:.3f} vs "
                           f"{q4:.3f} ({'at or below' if ours <= q4 + 1e-9 else 'ABOVE'} q4_k_m)."]
-    if "int4-awq/bf16" in r:
-        lines += ["", f"int4-awq calibration text: {report.get('calibration', '')}."]
+    calibrated = [m for m in ("int4-awq", "int4-gptq") if f"{m}/bf16" in r]
+    if calibrated:
+        lines += ["", f"{' and '.join(calibrated)} calibration text: {report.get('calibration', '')}."]
     q8 = report.get("llamacpp", {}).get("q8_0")
     if isinstance(q8, float) and "int8/bf16" in r:
         ours = r["int8/bf16"]["perplexity"]

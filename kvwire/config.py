@@ -40,9 +40,11 @@ class WeightsMode(str, enum.Enum):
     # int8 for every other layer, and for everything in a checkpoint that is not a GGUF file.
     GGUF = "gguf"
     # Group-wise 4-bit from a float checkpoint, written as GGUF Q4_1 blocks (kvwire.model.int4), lm_head
-    # Q8_0: round-to-nearest, or with activation-aware scales from calibration text (kvwire.model.awq).
+    # Q8_0: round-to-nearest, or with activation-aware scales from calibration text (kvwire.model.awq),
+    # or those scales then GPTQ's error feedback, layer by layer (kvwire.model.gptq).
     INT4 = "int4"
     INT4_AWQ = "int4-awq"
+    INT4_GPTQ = "int4-gptq"
 
 
 QuantMode = WeightsMode  # deprecated name of WeightsMode

@@ -56,7 +56,8 @@ _VARS = [
     _v("KVWIRE_KERNEL_CACHE", Path, Path.home() / ".cache" / "kvwire" / "kernels",
        "where the CPU kernels are compiled to"),
     _v("KVWIRE_AWQ_CACHE", Path, Path.home() / ".cache" / "kvwire" / "awq",
-       "where --weights int4-awq keeps the scales it searched (one small file per model and calibration)"),
+       "where --weights int4-awq keeps the scales it searched (one small file per model and calibration) "
+       "and int4-gptq its 4-bit blocks (the size of the 4-bit model)"),
     _v("KVWIRE_KERNEL_PREBUILT", Path, None, "directory of prebuilt CPU kernels (default: kvwire_kernels/cpu/prebuilt)"),
     _v("KVWIRE_AMX", str, "auto", "0: no AMX tiles in the int8 CPU kernels"),
     _v("KVWIRE_INT8_ACTIVATIONS", str, "auto", "0: int8 weights multiply fp32/bf16 activations (no VNNI path)"),

@@ -15,11 +15,14 @@ from kvwire.malloc import keep_freed_memory
 from kvwire.model.fast_decode import FastDecode
 from kvwire.model.loader import load_model
 from kvwire.model.model import Transformer
-from kvwire.model import awq
+from kvwire.model import awq, gptq
 from kvwire.model.quant import HEAD_QUANTIZED, load_quantizer, quantize_model
 
 
 EngineConfig = RuntimeConfig  # deprecated name of kvwire.config.RuntimeConfig
+
+# Loaded as float first: their calibration runs the float model.
+CALIBRATED = frozenset({WeightsMode.INT4_AWQ, WeightsMode.INT4_GPTQ})
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ def load_runtime(cfg: RuntimeConfig) -> Runtime:
     quantize = load_quantizer(weights, include_lm_head=weights in HEAD_QUANTIZED)
     # gguf: a GGUF file's layers of the native block types keep their blocks; every other layer is int8.
     loaded = load_model(cfg.model_dir, dtype=dtype, device=cfg.device,
-                        quantize=None if weights == WeightsMode.INT4_AWQ else quantize,
+                        quantize=None if weights in CALIBRATED else quantize,
                         gguf_blocks=weights == WeightsMode.GGUF)
     model, weights_sha256 = loaded.model, loaded.weights_sha256
     if weights == WeightsMode.INT4_AWQ:
@@ -58,6 +61,11 @@ def load_runtime(cfg: RuntimeConfig) -> Runtime:
         quantize_model(model, weights, include_lm_head=True)  # lm_head, and any shape the blocks do not take
         # The scales are part of the weights run: peers whose searches differed refuse each other's KV.
         weights_sha256 = awq.scales_sha256(loaded.weights_sha256, found)
+    elif weights == WeightsMode.INT4_GPTQ:
+        # The same scales, then each block Linear rounded with error feedback, block by block (kvwire.model.gptq);
+        # the fingerprint names the blocks' bytes.
+        weights_sha256 = gptq.calibrate_model(model, loaded.config, cfg.model_dir, loaded.weights_sha256)
+        quantize_model(model, weights, include_lm_head=True)
     if cfg.device == "cpu":
         model.step_fn = FastDecode.build(model)  # None: no compiler or an unsupported layer/shape
     spec = KVPageSpec.for_model(loaded.config, cfg.block_size, cfg.kv_dtype)

@@ -26,7 +26,7 @@ _SPEC_MODE_BACK = {v: k for k, v in _SPEC_MODE.items()}
 _WEIGHTS_MODE = {QuantMode.NONE: pb.WEIGHTS_MODE_NONE, QuantMode.BF16: pb.WEIGHTS_MODE_BF16,
                  QuantMode.INT8: pb.WEIGHTS_MODE_INT8, QuantMode.FP8: pb.WEIGHTS_MODE_FP8,
                  QuantMode.GGUF: pb.WEIGHTS_MODE_GGUF, QuantMode.INT4: pb.WEIGHTS_MODE_INT4,
-                 QuantMode.INT4_AWQ: pb.WEIGHTS_MODE_INT4_AWQ}
+                 QuantMode.INT4_AWQ: pb.WEIGHTS_MODE_INT4_AWQ, QuantMode.INT4_GPTQ: pb.WEIGHTS_MODE_INT4_GPTQ}
 _WEIGHTS_MODE_BACK = {v: k.value for k, v in _WEIGHTS_MODE.items()}
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}

@@ -71,7 +71,8 @@ class ModelArgs(Section):
                                "accuracy budget), bf16, fp8 (weight-only e4m3), none (the checkpoint as fp32), gguf "
                                "(a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K layers as stored, int8 for the others), "
                                "int4 (group-wise 4-bit, round-to-nearest, from a float checkpoint), int4-awq (int4 "
-                               "with activation-aware scales searched on calibration text; cached in KVWIRE_AWQ_CACHE)")
+                               "with activation-aware scales searched on calibration text), int4-gptq (int4-awq's scales, then each layer "
+                               "rounded with GPTQ's error feedback; both cached in KVWIRE_AWQ_CACHE)")
     device: str = arg("cpu", "torch device for weights and KV pages: cpu (default) or cuda[:N] (Triton kernels)")
 
 

@@ -291,13 +291,7 @@ def calibrate_model(model: Transformer, cfg: ModelConfig, model_dir, weights_sha
         importance = {k.removeprefix("importance."): v for k, v in stored.items() if k.startswith("importance.")}
         result = AWQResult(calibration.describe(), scales, importance, {}, time.perf_counter() - t0, cached=True)
     else:
-        from kvwire.tokenizer import ModelTokenizer
-        try:
-            tok = ModelTokenizer(model_dir)
-        except Exception as e:  # noqa: BLE001 - any tokenizer failure: say what int4-awq needed it for
-            raise LoadError(f"{model_dir}: --weights int4-awq tokenizes its calibration text with the model's "
-                            f"tokenizer, which did not load ({e})") from e
-        windows = calibration.windows(tok.encode)
+        windows = calibration.windows(tokenizer_for(model_dir).encode)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # one thread's sums: bit-identical scales in every process, whatever its threads
         try:
@@ -315,6 +309,16 @@ def calibrate_model(model: Transformer, cfg: ModelConfig, model_dir, weights_sha
              else "searched", result.calibration, result.seconds,
              "" if result.cached else f"; mean alpha {sum(result.alphas.values()) / len(result.alphas):.2f}")
     return result
+
+
+def tokenizer_for(model_dir):
+    """The model's own tokenizer, which tokenizes the calibration text (a LoadError that says so if it fails)."""
+    from kvwire.tokenizer import ModelTokenizer
+    try:
+        return ModelTokenizer(model_dir)
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure: say what the calibration needed it for
+        raise LoadError(f"{model_dir}: --weights int4-awq / int4-gptq tokenize their calibration text with the "
+                        f"model's tokenizer, which did not load ({e})") from e
 
 
 def scales_sha256(weights_sha256: str, result: AWQResult) -> str:

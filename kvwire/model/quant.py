@@ -23,8 +23,8 @@ from kvwire_kernels import cpu
 
 # Weight modes whose engine also quantizes lm_head: int8, where the head is a large share of a step's
 # reads; see docs/decisions/041-quantized-linear-paths.md.
-# int4 / int4-awq: Q8_0 blocks (kvwire.model.int4), as llama.cpp's 4-bit files keep a wider head.
-HEAD_QUANTIZED = frozenset({QuantMode.INT8, QuantMode.GGUF, QuantMode.INT4, QuantMode.INT4_AWQ})
+# int4 / int4-awq / int4-gptq: Q8_0 blocks (kvwire.model.int4), as llama.cpp's 4-bit files keep a wider head.
+HEAD_QUANTIZED = frozenset({QuantMode.INT8, QuantMode.GGUF, QuantMode.INT4, QuantMode.INT4_AWQ, QuantMode.INT4_GPTQ})
 # fbgemm's reduce_range=True quantizes activations to 7 bits so that u8*s8 pair sums cannot
 # saturate int16 on CPUs without VNNI (AVX2's vpmaddubsw). With VNNI (vpdpbusd, 32-bit sums) the
 # full 8 bits are safe; the lost bit doubles the activation rounding error. Chosen from the CPU's
@@ -199,11 +199,11 @@ class Fp8Linear(nn.Module):
 
 def _as_loaded(mode: QuantMode) -> QuantMode:
     """gguf keeps a GGUF file's blocks at load time (kvwire.model.loader); a layer it cannot keep, or
-    one built from anything else, is int8. int4-awq's scales are folded in by the runtime
-    (kvwire.model.awq) before its layers are quantized: here it is int4's round-to-nearest."""
+    one built from anything else, is int8. int4-awq's scales (and int4-gptq's blocks) are made by the
+    runtime (kvwire.model.awq, kvwire.model.gptq) before the rest is quantized: here it is int4's round-to-nearest."""
     if mode is QuantMode.GGUF:
         return QuantMode.INT8
-    return QuantMode.INT4 if mode is QuantMode.INT4_AWQ else mode
+    return QuantMode.INT4 if mode in (QuantMode.INT4_AWQ, QuantMode.INT4_GPTQ) else mode
 
 
 def _quantized(lin: Linear, mode: QuantMode, name: str = "") -> nn.Module:

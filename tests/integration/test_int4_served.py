@@ -19,14 +19,14 @@ MAX_TOKENS = 12
 PROMPTS = ["The list type", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
 
 
-@pytest.mark.parametrize("weights", ["int4", "int4-awq"])
+@pytest.mark.parametrize("weights", ["int4", "int4-awq", "int4-gptq"])
 def test_int4_served_across_the_wire_equal_in_process(weights, tmp_path, monkeypatch):
     cache = tmp_path / "awq"
     monkeypatch.setenv("KVWIRE_AWQ_CACHE", str(cache))
     llm = LLM(str(DEFAULT_MODEL_DIR), weights=weights, kv_dtype="fp8_e4m3", num_pages=64)
     ids = [llm.encode(p) for p in PROMPTS]
     expected = [out.token_ids for out in llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))]
-    assert len(list(cache.glob("*.safetensors"))) == (weights == "int4-awq")
+    assert len(list(cache.glob("*.safetensors"))) == {"int4": 0, "int4-awq": 1, "int4-gptq": 2}[weights]
     with Stack(weights=weights, kv_dtype="fp8_e4m3", decode_pages=256, prefill_pages=128, log_dir=tmp_path,
                env={"KVWIRE_AWQ_CACHE": str(cache)}) as s:
         addr = s.addr("decode_svc")

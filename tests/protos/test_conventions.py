@@ -94,4 +94,4 @@ def test_every_weights_mode_crosses_the_wire_in_the_fingerprint():
         f = Fingerprint("m", "LlamaForCausalLM", "a" * 64, "b" * 64, "c" * 64, mode.value, "fp32")
         m = fingerprint_to_pb(f)
         assert m.weights_mode != pb.WEIGHTS_MODE_UNSPECIFIED and fingerprint_from_pb(m) == f
-    assert pb.WEIGHTS_MODE_INT4 == 6 and pb.WEIGHTS_MODE_INT4_AWQ == 7
+    assert pb.WEIGHTS_MODE_INT4 == 6 and pb.WEIGHTS_MODE_INT4_AWQ == 7 and pb.WEIGHTS_MODE_INT4_GPTQ == 8
