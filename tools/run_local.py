@@ -2,7 +2,7 @@
 streamed completion through the front door, then a graceful shutdown.
 
     python -m tools.run_local --prompt "The for statement" --max-tokens 80
-    python -m tools.run_local --keep-running      # leave the services up (Ctrl-C stops them)
+    python -m tools.run_local --keep-running      # leave the services up (Ctrl-C or SIGTERM stops them)
     python -m tools.run_local --prefill-replicas 2 --decode-replicas 2 --decode-routing prefix
     python -m tools.run_local --model-dir smollm2-135m-instruct --weights int8 --chat \
         --prompt "What is the capital of France?"     # the real model (python -m tools.fetch_model first)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,7 @@ class Stack:
     ports: dict[str, int] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)
     cores_file: Path | None = field(default=None, repr=False)  # --share-cores, while started
+    _sigterm: object = field(default=None, init=False, repr=False)  # the SIGTERM handler start() replaced, while started
 
     def replicas(self, service: str) -> list[str]:
         """The process names of ``service``'s replicas, the first one named as the service."""
@@ -173,8 +175,24 @@ class Stack:
             [sys.executable, "-m", service_of(name), *self._flags(name)], cwd=REPO, env=env,
             stdout=out, stderr=subprocess.STDOUT)
 
+    def _stop_on_sigterm(self) -> None:
+        """SIGTERM to this process (``kill``, ``docker stop``, a process manager) raises SystemExit in the
+        main thread, so the ``with`` block unwinds and ``stop()`` drains the services; by default it
+        would end this process at once and leave them running with their ports and memory. Only
+        where the handler is still the default one (a program's own handler wins)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def exit_143(signum, _frame):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the drain short
+            raise SystemExit(128 + signum)
+        self._sigterm = signal.signal(signal.SIGTERM, exit_143)
+
     def start(self, timeout_s: float = 120.0) -> "Stack":
         names = [n for service in self.services for n in self.replicas(service)]
+        self._stop_on_sigterm()
         if self.share_cores and self.cores_file is None:
             fd, path = tempfile.mkstemp(prefix="kvwire-cores-")
             os.close(fd)
@@ -223,6 +241,9 @@ class Stack:
         if self.cores_file is not None:
             self.cores_file.unlink(missing_ok=True)
             self.cores_file = None
+        if self._sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
         return codes
 
     def __enter__(self) -> "Stack":
