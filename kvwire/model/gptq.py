@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 BLOCK = 128  # columns whose updates are applied together before the rest is touched (a multiple of GROUP)
 DAMP = 0.01  # of the mean Hessian diagonal, added to the diagonal: H stays invertible for dead channels
 WINDOWS_PER_FORWARD = 8
-VERSION = 1  # part of the cache key
+COMPUTE_ORDER = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # awq.BLOCK_LINEARS, as Block.forward runs them
+VERSION = 2  # part of the cache key: bumped whenever the blocks computed for the same inputs change
 
 
 @torch.no_grad()
@@ -76,20 +77,23 @@ def gptq(w: torch.Tensor, h: torch.Tensor, group: int = int4.GROUP, block: int =
     return q_all, (d_all, m_all)
 
 
-class _Hessians:
-    """Forward pre-hooks on named Linears of one block: sum x^T x (fp32) and the rows seen."""
+class _Reached(Exception):
+    """Raised by the hook once the Linear's input is taken: the rest of the block's forward is not needed."""
 
-    def __init__(self, block: torch.nn.Module, names: list[str]):
-        self.h: dict[str, torch.Tensor] = {}
-        self.n: dict[str, int] = {}
-        self.handles = [block.get_submodule(name).register_forward_pre_hook(self._hook(name)) for name in names]
 
-    def _hook(self, name: str):
-        def hook(_mod, args):
-            x = args[0].float()  # [tokens, in]
-            self.h[name] = self.h.get(name, 0) + x.T @ x
-            self.n[name] = self.n.get(name, 0) + x.shape[0]
-        return hook
+class _Hessian:
+    """A forward pre-hook on one Linear of a block: sum x^T x (fp32) and the rows seen, then _Reached."""
+
+    def __init__(self, block: torch.nn.Module, name: str):
+        self.h: torch.Tensor | int = 0
+        self.n = 0
+        self.handles = [block.get_submodule(name).register_forward_pre_hook(self._hook)]
+
+    def _hook(self, _mod, args):
+        x = args[0].float()  # [tokens, in]
+        self.h = self.h + x.T @ x
+        self.n += x.shape[0]
+        raise _Reached
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -114,17 +118,20 @@ def quantize_sequential(model: Transformer, cfg: ModelConfig, windows: list[list
         from tqdm import tqdm
         layers = tqdm(layers, total=len(model.layers), desc="int4-gptq", unit="layer")
     for i, block in layers:
-        for name in awq.BLOCK_LINEARS:  # in the order the block computes them
+        for name in COMPUTE_ORDER:  # each Hessian from the inputs the layers rounded before it produce
             lin = block.get_submodule(name)
             if not native_shape(int4.INT4_TYPE, *lin.weight.shape):
                 continue
-            stats = _Hessians(block, [name])
+            stats = _Hessian(block, name)
             try:
-                for x, cos, sin, cache in batches:  # re-running a block rewrites the same KV positions
-                    block(x, cos, sin, cache)
+                for x, cos, sin, cache in batches:  # up to this Linear; re-running rewrites the same KV positions
+                    try:
+                        block(x, cos, sin, cache)
+                    except _Reached:
+                        pass
             finally:
                 stats.remove()
-            wq, dm = gptq(lin.weight.float(), stats.h[name] / stats.n[name])
+            wq, dm = gptq(lin.weight.float(), stats.h / stats.n)
             raw = int4.q4_blocks(wq, int4.INT4_TYPE, dm=dm)
             blocks[f"layers.{i}.{name}"] = raw
             _replace(block, name, GGUFLinear(raw, int4.INT4_TYPE, lin.in_features), lin)
