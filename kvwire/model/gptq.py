@@ -87,7 +87,7 @@ class _Hessian:
     def __init__(self, block: torch.nn.Module, name: str):
         self.h: torch.Tensor | int = 0
         self.n = 0
-        self.handles = [block.get_submodule(name).register_forward_pre_hook(self._hook)]
+        self.handle = block.get_submodule(name).register_forward_pre_hook(self._hook)
 
     def _hook(self, _mod, args):
         x = args[0].float()  # [tokens, in]
@@ -96,8 +96,7 @@ class _Hessian:
         raise _Reached
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.handle.remove()
 
 
 @torch.inference_mode()
@@ -168,8 +167,8 @@ def calibrate_model(model: Transformer, cfg: ModelConfig, model_dir, weights_sha
         for name, raw in blocks.items():
             i, _, rest = name.removeprefix("layers.").partition(".")
             block = model.layers[int(i)]
-            _replace(block, rest, GGUFLinear(raw, int4.INT4_TYPE, block.get_submodule(rest).in_features),
-                     block.get_submodule(rest))
+            old = block.get_submodule(rest)
+            _replace(block, rest, GGUFLinear(raw, int4.INT4_TYPE, old.in_features), old)
         how = "read from cache"
     else:
         windows = calibration.windows(awq.tokenizer_for(model_dir).encode)

@@ -3,7 +3,7 @@
 Round-to-nearest takes, per group, the nearest of the 16 levels its fp16 scale and minimum define
 (against a brute-force search over the levels); the blocks dequantize with ``gguf.quants`` to exactly
 those values; AWQ's folded scales leave the float model's output unchanged; the embedded model loads
-and generates in both modes, and int4-awq's scales are cached and read back."""
+and generates in both modes, and int4-awq's scales and int4-gptq's blocks are cached and read back."""
 from __future__ import annotations
 
 import logging
@@ -168,19 +168,27 @@ def test_int4_loads_blocks_of_the_checkpoint_and_generates():
     assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.99
 
 
-def test_int4_awq_searches_once_caches_and_logs_its_calibration_text(tmp_path, monkeypatch, caplog):
+def _load_twice(weights: WeightsMode, logger: str, samples: int, tmp_path, monkeypatch, caplog):
+    """The embedded model loaded in ``weights`` twice over one empty calibration cache (``samples`` windows
+    of 64 tokens): (first runtime, its ``logger`` text, second runtime, its ``logger`` text)."""
     monkeypatch.setenv("KVWIRE_AWQ_CACHE", str(tmp_path))
-    monkeypatch.setattr(awq, "CALIBRATION", awq.Calibration(samples=2, tokens=64))
-    cfg = RuntimeConfig(DEFAULT_MODEL_DIR, weights=WeightsMode.INT4_AWQ, num_pages=32)
-    with caplog.at_level(logging.INFO, logger="kvwire.model.awq"):
-        first = load_runtime(cfg)
-    assert "searched" in caplog.text and awq.CALIBRATION.describe() in caplog.text
+    monkeypatch.setattr(awq, "CALIBRATION", awq.Calibration(samples=samples, tokens=64))
+    cfg = RuntimeConfig(DEFAULT_MODEL_DIR, weights=weights, num_pages=32)
+    logs = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=logger):
+            logs += [load_runtime(cfg), caplog.text]
+    return logs
+
+
+def test_int4_awq_searches_once_caches_and_logs_its_calibration_text(tmp_path, monkeypatch, caplog):
+    first, first_log, second, second_log = _load_twice(WeightsMode.INT4_AWQ, "kvwire.model.awq", 2,
+                                                       tmp_path, monkeypatch, caplog)
+    assert "searched" in first_log and awq.CALIBRATION.describe() in first_log
     files = list(tmp_path.glob("*.safetensors"))
     assert len(files) == 1
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kvwire.model.awq"):
-        second = load_runtime(cfg)
-    assert "read from cache" in caplog.text and awq.CALIBRATION.describe() in caplog.text
+    assert "read from cache" in second_log and awq.CALIBRATION.describe() in second_log
     a, b = _dequantized(first), _dequantized(second)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rtn_rt = load_runtime(RuntimeConfig(DEFAULT_MODEL_DIR, weights=WeightsMode.INT4, num_pages=32))
@@ -191,5 +199,30 @@ def test_int4_awq_searches_once_caches_and_logs_its_calibration_text(tmp_path, m
     assert first.fingerprint.weights_sha256 != rtn_rt.fingerprint.weights_sha256
     assert first.checkpoint_sha256 == rtn_rt.fingerprint.weights_sha256 == rtn_rt.checkpoint_sha256
     prompt = ModelTokenizer(DEFAULT_MODEL_DIR).encode("The list type")
+    out = generate(first.model, prompt, SamplingParams(max_tokens=8, ignore_eos=True), cache=first.new_cache(8))
+    assert len(out) == 8
+
+
+def test_int4_gptq_computes_once_caches_and_names_its_blocks(tmp_path, monkeypatch, caplog):
+    first, first_log, second, second_log = _load_twice(WeightsMode.INT4_GPTQ, "kvwire.model.gptq", 4,
+                                                       tmp_path, monkeypatch, caplog)
+    assert "computed" in first_log and awq.CALIBRATION.describe() in first_log
+    assert len(list(tmp_path.glob("gptq-*.safetensors"))) == 1
+    assert "read from cache" in second_log
+    a, b = _dequantized(first), _dequantized(second)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for i, block in enumerate(first.model.layers):
+        for name in awq.BLOCK_LINEARS:
+            assert block.get_submodule(name).qtype == int4.INT4_TYPE, f"layers.{i}.{name}"
+    assert first.model.lm_head.qtype == int4.HEAD_TYPE
+    awq_rt = load_runtime(RuntimeConfig(DEFAULT_MODEL_DIR, weights=WeightsMode.INT4_AWQ, num_pages=32))
+    assert any(not torch.equal(a[k], v) for k, v in _dequantized(awq_rt).items() if k in a)  # feedback moved weights
+    assert first.fingerprint == second.fingerprint and first.fingerprint.quantization == "int4-gptq"
+    assert first.fingerprint.weights_sha256 not in (awq_rt.fingerprint.weights_sha256, first.checkpoint_sha256)
+    # Close to the float model: the top token agrees at the prompt's end.
+    prompt = ModelTokenizer(DEFAULT_MODEL_DIR).encode("The list type")
+    ref = load_model(DEFAULT_MODEL_DIR).model
+    ours, theirs = _logits(first.model, first.model_config, prompt)[-1], _logits(ref, first.model_config, prompt)[-1]
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.99
     out = generate(first.model, prompt, SamplingParams(max_tokens=8, ignore_eos=True), cache=first.new_cache(8))
     assert len(out) == 8
