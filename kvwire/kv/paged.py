@@ -190,6 +190,25 @@ class PagedKVCache:
             return None
         return self._slots, self._block_tables, self._ctx
 
+    def prefill_segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a fused prefill step (``kvwire.model.fast_decode``): when the prepared step is prompt chunks
+        (``prepare(prefill=True)``) on CPU, its slots [num_tokens] int64, segments [S, 3] int64 (first
+        row, rows, start position: one per sequence with tokens) and their block tables [S, max_blocks]
+        int32; else None. Each segment attends as ``attend`` computes prefill rows."""
+        if not self._prefill or self.device.type != "cpu":
+            return None
+        segments, tabs, row = [], [], 0
+        for s, start, n in self._step:
+            if n:
+                segments.append([row, n, start])
+                tabs.append(self.tables.table(s))
+            row += n
+        if not segments:
+            return None
+        width = max(len(t) for t in tabs)
+        tables = torch.tensor([t + [RELEASED] * (width - len(t)) for t in tabs], dtype=torch.int32)
+        return self._slots, torch.tensor(segments, dtype=torch.int64), tables
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None) -> torch.Tensor:
         k_pages, v_pages, k_scale, v_scale = self.layer_tensors(layer)

@@ -1,4 +1,5 @@
-"""The decode step in two C calls (``kvwire_kernels/cpu``): all layers, then the final norm's LM head.
+"""The decode step in two C calls (``kvwire_kernels/cpu``): all layers, then the final norm's LM head;
+a prefill step's layers in one.
 
 For decode and speculative-verification steps (every token after context in the paged cache), where
 eager PyTorch's thirty small ops per layer cost more than a small model's arithmetic. The math is
@@ -6,6 +7,12 @@ eager PyTorch's thirty small ops per layer cost more than a small model's arithm
 except into int8 layers on AVX512-VNNI and bf16 layers on AVX512-BF16 CPUs (see
 docs/decisions/043-fused-decode-activations.md). K/V bytes are ``reference.write_kv``'s bit for bit,
 each row's result is independent of the step's other rows; anything else returns None (model forward).
+
+Prefill steps (``PagedKVCache.prepare(prefill=True)``) take ``kvw_prefill_layers`` where every layer
+is a GEMM whose rows are independent (packed int8, GGUF blocks) and head_dim is at most 64 (where
+the eager path always takes the same attention kernel): the same ops with the row ops split between
+threads, so a prompt's bits never depend on the step's other prompts; the final norm and LM head run
+as in the model. Where the conditions fail, every prefill step runs the model forward.
 """
 from __future__ import annotations
 
@@ -68,6 +75,10 @@ class FastDecode:
         self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
         self.final_norm = model.norm.weight.detach().float().contiguous()
         self.vocab = head.out_features
+        kinds = {cpu.WT_I8A8_PACKED, *cpu.WT_GGUF.values()}  # GEMMs whose rows are independent, fast at many rows
+        rows_ok = all(_row_kernel(getattr(layer, n), kinds) for layer in layers for n in ("qkv", "o", "gate_up", "down"))
+        self.prefill = rows_ok and cfg.head_dim <= PREFILL_MAX_HEAD_DIM and \
+            cpu.supports_prefill_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self._head_fn = {cpu.WT_I8A8: lib.kvw_linear_i8a8, cpu.WT_I8A8_PACKED: lib.kvw_gemm_i8a8,
                          cpu.WT_BF16A16: lib.kvw_linear_bf16a16,
                          **{wt: getattr(lib, f"kvw_gemm_{q.lower()}") for q, wt in cpu.WT_GGUF.items()}}.get(head.wt) or \
@@ -97,6 +108,11 @@ class FastDecode:
                  logits_rows: torch.Tensor | None) -> torch.Tensor | None:
         step = getattr(cache, "paged_step", None)
         step = step() if step is not None else None
+        if step is None and self.prefill and tokens.device.type == "cpu":
+            segments = getattr(cache, "prefill_segments", None)
+            segments = segments() if segments is not None else None
+            if segments is not None:
+                return self._prefill(tokens, positions, cache, logits_rows, *segments)
         if step is None or tokens.device.type != "cpu":
             return None
         slots, tables, ctx = step
@@ -122,3 +138,38 @@ class FastDecode:
         self._head_fn(normed.data_ptr(), rows, hd.in_features, hd.w, self.vocab, logits.data_ptr(), hd.scale,
                       hd.bias, None, threads)
         return logits  # [num_rows, vocab] fp32
+
+    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_rows: torch.Tensor | None,
+                 slots: torch.Tensor, segments: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """A prefill step: the layers in C (``kvw_prefill_layers``), then the model's final norm and LM head.
+        segments: [S, 3] int64 (first row, rows, start position); tables: [S, max_blocks] int32."""
+        n, d = tokens.shape[0], self.d
+        x = self.model.embed(tokens).float().contiguous()  # [n, hidden], updated in place layer by layer
+        cos, sin = (t.reshape(n, d).contiguous() for t in rope_cos_sin(self.model.inv_freq, positions))  # [n, d]
+        seg = segments.t().contiguous()  # [3, S]: first rows, lengths, starts
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.lib.kvw_prefill_layers(
+            self.layers, len(self.layers), x.data_ptr(), n, self.hidden, self.h, self.hkv, d, self.inter, self.eps,
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), seg.shape[1], seg[0].data_ptr(), seg[1].data_ptr(),
+            seg[2].data_ptr(), tables.data_ptr(), tables.shape[1], cache.k.data_ptr(), cache.v.data_ptr(),
+            ptr(cache.k_scale), ptr(cache.v_scale), cache.k[0].numel(),
+            0 if cache.k_scale is None else cache.k_scale[0].numel(), cache.spec.block_size,
+            int(cache.k_scale is not None), cache.sm_scale, torch.get_num_threads())
+        if logits_rows is not None:
+            x = x[logits_rows]  # [num_rows, hidden]
+        self.model.last_hidden = self.model.norm(x)  # as Transformer.forward ends
+        return self.model.lm_head(self.model.last_hidden).float()  # [num_rows, vocab]
+
+
+PREFILL_MAX_HEAD_DIM = 64  # the eager path's attention is kvw_prefill_attention at any length up to here (kv.tuned)
+
+
+def _row_kernel(desc: cpu.LinearDesc, kinds: set[int]) -> bool:
+    """Whether a layer descriptor runs on GEMMs of ``kinds`` only (parts of a WT_ROWS layer included)."""
+    if desc.wt == cpu.WT_ROWS:
+        parts = ctypes.cast(desc.w, ctypes.POINTER(cpu.LinearDesc))
+        i, ok = 0, True
+        while parts[i].out_features:
+            ok, i = ok and parts[i].wt in kinds, i + 1
+        return ok
+    return desc.wt in kinds

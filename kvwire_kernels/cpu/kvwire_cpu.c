@@ -1264,6 +1264,102 @@ void kvw_decode_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, 
     free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(gu); free(act);
 }
 
+/* ---- a prefill step's layers in one call ------------------------------------------------------- */
+
+/* The row ops of kvw_decode_layers, rows split between threads: each row's bytes are the serial call's. */
+static void rows_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= 8)
+    for (int64_t r = 0; r < rows; r++) kvw_rms_norm(x + r * n, 1, n, w, eps, y + r * n);
+}
+
+static void rows_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= 8)
+    for (int64_t r = 0; r < rows; r++) kvw_silu_mul(gu + r * 2 * inter, 1, inter, out + r * inter);
+}
+
+static void rows_rope_write(const float *qkv, int64_t T, int64_t h, int64_t hkv, int64_t d, const float *cos_,
+                            const float *sin_, float *q, float *k, float *v, const int64_t *slots, int64_t block_size,
+                            void *kp, void *vp, uint16_t *ks, uint16_t *vs, int fp8, int nthreads) {
+    const int64_t width = (h + 2 * hkv) * d;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 8)
+    for (int64_t t = 0; t < T; t++) {
+        kvw_rope_split(qkv + t * width, 1, h, hkv, d, cos_ + t * d, sin_ + t * d, q + t * h * d, k + t * hkv * d,
+                       v + t * hkv * d);
+        kvw_write_kv(k + t * hkv * d, v + t * hkv * d, 1, hkv, d, slots + t, block_size, kp, vp, ks, vs, fp8);
+    }
+}
+
+/* Positions [lo, lo + m) of a sequence from its pages (table: page per block) into dst [m, hkv, d] fp32:
+ * kvwire_kernels.reference.dequantize_pages' values (fp8 * its bf16 scale, one fp32 rounding; bf16 exact). */
+static void gather_pages(const void *pages, const uint16_t *scales, const int32_t *table, int64_t lo, int64_t m,
+                         int64_t hkv, int64_t d, int64_t block_size, int fp8, float *dst) {
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t pos = lo + j, page = table[pos / block_size], off = pos % block_size;
+        for (int64_t g = 0; g < hkv; g++) {
+            const int64_t idx = (page * hkv + g) * block_size + off;
+            float *o = dst + (j * hkv + g) * d;
+            if (fp8) {
+                const f32x16 s = splat(bf16_to_f32(scales[idx]));
+                for (int64_t i = 0; i < d; i += 16) store_f32(o + i, load_fp8((const uint8_t *)pages + idx * d + i) * s);
+            } else {
+                for (int64_t i = 0; i < d; i += 16) store_f32(o + i, load_bf16((const uint16_t *)pages + idx * d + i));
+            }
+        }
+    }
+}
+
+/* x [n, hidden] through every layer for a prefill step: S segments, segment s the rows [row0[s], row0[s] +
+ * len[s]) of one sequence at positions start[s] .. (block table tables[s], max_blocks wide). Each segment's
+ * queries attend over its pages before start[s] (from its window's first block), dequantized, then causally
+ * over their own full-precision K/V: kvwire.kv.paged.PagedKVCache.attend's prefill rows, the same
+ * kvw_prefill_attention on the same inputs. head_dim is a multiple of 16. */
+void kvw_prefill_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, int64_t n, int64_t hidden,
+                        int64_t h, int64_t hkv, int64_t d, int64_t inter, float eps, const float *cos_,
+                        const float *sin_, const int64_t *slots, int64_t S, const int64_t *row0, const int64_t *len,
+                        const int64_t *start, const int32_t *tables, int64_t max_blocks, void *k_base, void *v_base,
+                        uint16_t *keysbase, uint16_t *valsbase, int64_t page_stride, int64_t scale_stride,
+                        int64_t block_size, int fp8, float sm_scale, int nthreads) {
+    const size_t elem = fp8 ? 1 : 2;
+    int64_t most = 0;  /* the most keys any segment gathers */
+    for (int64_t s = 0; s < S; s++) most = start[s] + len[s] > most ? start[s] + len[s] : most;
+    float *hbuf = malloc(sizeof(float) * n * hidden), *qkv = malloc(sizeof(float) * n * (h + 2 * hkv) * d);
+    float *q = malloc(sizeof(float) * n * h * d), *attn = malloc(sizeof(float) * n * h * d);
+    float *k = malloc(sizeof(float) * n * hkv * d), *v = malloc(sizeof(float) * n * hkv * d);
+    float *kb = malloc(sizeof(float) * most * hkv * d), *vb = malloc(sizeof(float) * most * hkv * d);
+    float *gu = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
+    for (int64_t i = 0; i < num_layers; i++) {
+        const kvw_layer_t *L = layers + i;
+        void *kp = (char *)k_base + i * page_stride * elem, *vp = (char *)v_base + i * page_stride * elem;
+        uint16_t *ks = fp8 ? keysbase + i * scale_stride : NULL, *vs = fp8 ? valsbase + i * scale_stride : NULL;
+        rows_rms_norm(x, n, hidden, L->attn_norm, eps, hbuf, nthreads);
+        run_linear(&L->qkv, hbuf, n, qkv, NULL, nthreads);
+        rows_rope_write(qkv, n, h, hkv, d, cos_, sin_, q, k, v, slots, block_size, kp, vp, ks, vs, fp8, nthreads);
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t r = row0[s], st = start[s], w = L->window;
+            const float *keys = k + r * hkv * d, *vals = v + r * hkv * d;
+            int64_t lo = st, m = len[s];
+            if (st > 0) {  /* earlier chunks (or a reused prefix): from the pages, then this segment's own */
+                lo = (w ? (st - w + 1 > 0 ? st - w + 1 : 0) : 0) / block_size * block_size;
+                m = st - lo + len[s];
+                gather_pages(kp, ks, tables + s * max_blocks, lo, st - lo, hkv, d, block_size, fp8, kb);
+                gather_pages(vp, vs, tables + s * max_blocks, lo, st - lo, hkv, d, block_size, fp8, vb);
+                memcpy(kb + (st - lo) * hkv * d, keys, sizeof(float) * len[s] * hkv * d);
+                memcpy(vb + (st - lo) * hkv * d, vals, sizeof(float) * len[s] * hkv * d);
+                keys = kb;
+                vals = vb;
+            }
+            kvw_prefill_attention(q + r * h * d, len[s], h, hkv, d, keys, vals, m, st, lo, w, sm_scale,
+                                  attn + r * h * d, nthreads);
+        }
+        run_linear(&L->o, attn, n, x, x, nthreads);
+        rows_rms_norm(x, n, hidden, L->mlp_norm, eps, hbuf, nthreads);
+        run_linear(&L->gate_up, hbuf, n, gu, NULL, nthreads);
+        rows_silu_mul(gu, n, inter, act, nthreads);
+        run_linear(&L->down, act, n, x, x, nthreads);
+    }
+    free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(kb); free(vb); free(gu); free(act);
+}
+
 /* ---- a draft head (kvwire/model/draft_head.py) in C ------------------------------------------- */
 
 typedef struct {
@@ -1380,4 +1476,4 @@ int64_t kvw_draft_head_chain(const kvw_draft_head_t *H, int64_t S, const float *
     return calls;
 }
 
-int kvw_abi_version(void) { return 9; }
+int kvw_abi_version(void) { return 10; }

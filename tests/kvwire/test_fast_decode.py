@@ -103,3 +103,70 @@ def test_disabled_by_environment(monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "KVWIRE_CPU_KERNELS": "0"}).stdout
     assert out.startswith("False disabled by KVWIRE_CPU_KERNELS=0")
+
+
+# ---- prefill steps (kvw_prefill_layers) -------------------------------------------------------
+
+def prefill(rt, cache, seqs, chunks, fused: bool):
+    """One prefill step: ``chunks[i]`` after what ``seqs[i]`` holds; the last row of each chunk's logits."""
+    saved = rt.model.step_fn
+    rt.model.step_fn = saved if fused else None
+    try:
+        positions = cache.prepare(seqs, [len(c) for c in chunks], prefill=True)
+        ends = torch.tensor([len(c) for c in chunks]).cumsum(0) - 1
+        return rt.model(torch.tensor([t for c in chunks for t in c]), positions, cache, logits_rows=ends)
+    finally:
+        rt.model.step_fn = saved
+
+
+def chunked(rt, cache, prompt, size, fused: bool, seq: int = 0):
+    return torch.cat([prefill(rt, cache, [seq], [prompt[a:a + size]], fused) for a in range(0, len(prompt), size)])
+
+
+def windowed(tmp_path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16, max_position_embeddings=512, initializer_range=0.1)
+    ).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_prefill_steps_take_the_fused_path_only_on_row_independent_gemms():
+    assert runtime("int8", "fp8_e4m3").model.step_fn.prefill == bool(cpu.library().kvw_has_vnni())  # packed int8
+    assert not runtime("none", "fp8_e4m3").model.step_fn.prefill  # fp32: torch's GEMM prefills faster
+
+
+@pytest.mark.parametrize("model,kv,tol", [("tiny", "bf16", 1e-4), ("tiny", "fp8_e4m3", 0.02), ("window", "bf16", 1e-4)])
+def test_fused_prefill_matches_pytorch(tmp_path, model, kv, tol):
+    """fp32 weights (the fused path forced on: the same math, the C GEMM), prompts in chunks of 24 so
+    each chunk after the first reads the pages (behind a 16-token window in the windowed model)."""
+    path = MODEL if model == "tiny" else windowed(tmp_path)
+    rt = load_engine(EngineConfig(path, weights=QuantMode.NONE, kv_dtype=KVDtype(kv), num_pages=64))
+    rt.model.step_fn.prefill = True
+    prompt = [(i * 37) % 500 + 3 for i in range(100)]
+    a = chunked(rt, rt.new_cache(), prompt, 24, fused=True)
+    b = chunked(rt, rt.new_cache(), prompt, 24, fused=False)
+    assert (a - b).abs().max() <= tol * b.abs().max()
+
+
+def test_prefill_rows_do_not_depend_on_their_step_or_threads():
+    rt = runtime("int8", "fp8_e4m3")
+    if not rt.model.step_fn.prefill:
+        pytest.skip("no packed int8 GEMM on this CPU")
+    alone, together = rt.new_cache(), rt.new_cache()
+    first = [prefill(rt, alone, [i], [p[:5]], fused=True) for i, p in enumerate(PROMPTS)]
+    rest = [prefill(rt, alone, [i], [p[5:]], fused=True) for i, p in enumerate(PROMPTS)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        both = prefill(rt, together, [0, 1, 2], [p[:5] for p in PROMPTS], fused=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(both, torch.cat(first))
+    assert torch.equal(prefill(rt, together, [2, 0, 1], [PROMPTS[i][5:] for i in (2, 0, 1)], fused=True),
+                       torch.cat([rest[i] for i in (2, 0, 1)]))
+    for layer in range(rt.model_config.num_layers):  # and the pages hold the same bytes
+        for a, b in zip(alone.layer_tensors(layer), together.layer_tensors(layer)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
