@@ -62,6 +62,8 @@ _VARS = [
     _v("KVWIRE_AMX", str, "auto", "0: no AMX tiles in the int8 CPU kernels"),
     _v("KVWIRE_INT8_ACTIVATIONS", str, "auto", "0: int8 weights multiply fp32/bf16 activations (no VNNI path)"),
     _v("KVWIRE_BF16_ACTIVATIONS", str, "auto", "0: bf16 weights multiply fp32 activations (no AVX512-BF16 path)"),
+    _v("KVWIRE_PREFILL_LAYERS", str, "auto", "0: prompt chunks take the PyTorch forward, not the one C call "
+       "(kvwire/model/fast_decode.py)"),
     # service flags' defaults (kvwire/args/)
     _v("KVWIRE_TLS_CERT", Path, None, "server certificate chain (PEM)", flag="--tls-cert"),
     _v("KVWIRE_TLS_KEY", Path, None, "server private key (PEM)", flag="--tls-key"),

@@ -12,7 +12,8 @@ Prefill steps (``PagedKVCache.prepare(prefill=True)``) take ``kvw_prefill_layers
 is a GEMM whose rows are independent (packed int8, GGUF blocks) and head_dim is at most 64 (where
 the eager path always takes the same attention kernel): the same ops with the row ops split between
 threads, so a prompt's bits never depend on the step's other prompts; the final norm and LM head run
-as in the model. Where the conditions fail, every prefill step runs the model forward.
+as in the model. Where the conditions fail (or with ``KVWIRE_PREFILL_LAYERS=0``), every prefill step
+runs the model forward.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import ctypes
 
 import torch
 
+from kvwire import envs
 from kvwire_kernels import cpu
 from kvwire.model.gguf_linear import GGUFLinear, GGUFRows
 from kvwire.model.linear import Linear
@@ -77,8 +79,8 @@ class FastDecode:
         self.vocab = head.out_features
         kinds = {cpu.WT_I8A8_PACKED, *cpu.WT_GGUF.values()}  # GEMMs whose rows are independent, fast at many rows
         rows_ok = all(_row_kernel(getattr(layer, n), kinds) for layer in layers for n in ("qkv", "o", "gate_up", "down"))
-        self.prefill = rows_ok and cfg.head_dim <= PREFILL_MAX_HEAD_DIM and \
-            cpu.supports_prefill_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.prefill = rows_ok and cfg.head_dim <= PREFILL_MAX_HEAD_DIM and not envs.switched_off("KVWIRE_PREFILL_LAYERS") \
+            and cpu.supports_prefill_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self._head_fn = {cpu.WT_I8A8: lib.kvw_linear_i8a8, cpu.WT_I8A8_PACKED: lib.kvw_gemm_i8a8,
                          cpu.WT_BF16A16: lib.kvw_linear_bf16a16,
                          **{wt: getattr(lib, f"kvw_gemm_{q.lower()}") for q, wt in cpu.WT_GGUF.items()}}.get(head.wt) or \

@@ -133,9 +133,11 @@ def windowed(tmp_path) -> Path:
     return tmp_path
 
 
-def test_prefill_steps_take_the_fused_path_only_on_row_independent_gemms():
+def test_prefill_steps_take_the_fused_path_only_on_row_independent_gemms(monkeypatch):
     assert runtime("int8", "fp8_e4m3").model.step_fn.prefill == bool(cpu.library().kvw_has_vnni())  # packed int8
     assert not runtime("none", "fp8_e4m3").model.step_fn.prefill  # fp32: torch's GEMM prefills faster
+    monkeypatch.setenv("KVWIRE_PREFILL_LAYERS", "0")
+    assert not runtime("int8", "fp8_e4m3").model.step_fn.prefill
 
 
 @pytest.mark.parametrize("model,kv,tol", [("tiny", "bf16", 1e-4), ("tiny", "fp8_e4m3", 0.02), ("window", "bf16", 1e-4)])
