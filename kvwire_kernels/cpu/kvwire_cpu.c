@@ -908,6 +908,19 @@ ALWAYS_INLINE f32x16 hsum16(const f32x16 *a) {
          + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* An attention task's scratch for nq query vectors, one buffer per thread kept for the thread's life
+ * (tasks are many and small: a malloc and free of three buffers each cost more than a chunk's loads). */
+static float *att_scratch(int64_t nq) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (nq > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)nq * (sizeof(float) * ATT_CHUNK + 2 * 16 * sizeof(f32x16)));
+        cap = nq;
+    }
+    return buf;
+}
+
 /* One task: rows s0 .. s0 + n - 1 (a group), kv head g, the chunk at absolute position cs. For each
  * of its n * ratio query vectors, writes [max score, denominator, weighted sum (d)] to part. */
 ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h, int64_t hkv, const int64_t d,
@@ -923,8 +936,8 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
         blo[i] = a <= b ? (a - cs) / 16 : 1;
         bhi[i] = a <= b ? (b - cs) / 16 : 0;
     }
-    float *sc = aligned_alloc(64, sizeof(float) * nq * ATT_CHUNK);  /* [nq, ATT_CHUNK] */
-    f32x16 (*qv)[16] = aligned_alloc(64, sizeof(f32x16) * 16 * nq), (*acc)[16] = aligned_alloc(64, sizeof(f32x16) * 16 * nq);
+    float *sc = att_scratch(nq);  /* [nq, ATT_CHUNK], then qv and acc [nq][16] vectors */
+    f32x16 (*qv)[16] = (f32x16 (*)[16])(sc + nq * ATT_CHUNK), (*acc)[16] = qv + nq;
     for (int64_t i = 0; i < n; i++)
         for (int64_t r = 0; r < ratio; r++)
             for (int64_t c = 0; c < nc; c++) {
@@ -936,6 +949,14 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
         at[j - cs] = ((int64_t)tab[pg] * hkv + g) * block_size + off;
         if (++off == block_size) { off = 0; pg++; }
     }
+    /* Every K and V line of the chunk requested up front: the pages are scattered, so loading them
+     * as the loops reach them waits on one miss after another (docs/decisions/069-decode-attention-prefetch.md). */
+    const int64_t row_bytes = d * (fp8 ? 1 : 2);
+    for (int64_t j = jlo; j <= jhi; j++)
+        for (int64_t o = 0; o < row_bytes; o += 64) {
+            __builtin_prefetch((const char *)k_pages + at[j - cs] * row_bytes + o);
+            __builtin_prefetch((const char *)v_pages + at[j - cs] * row_bytes + o);
+        }
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     /* scores, 16 positions at a time */
     for (int64_t b = (jlo - cs) / 16; b <= (jhi - cs) / 16; b++) {
@@ -1006,7 +1027,6 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
     for (int64_t k = 0; k < nq; k++)
         if (part[k * (d + 2)] != -INFINITY)
             for (int64_t c = 0; c < nc; c++) store_f32(part + k * (d + 2) + 2 + c * 16, acc[k][c]);
-    free(sc); free(qv); free(acc);
 }
 
 void kvw_paged_attention(const float *q, int64_t S, int64_t h, int64_t hkv, int64_t d,
