@@ -38,7 +38,7 @@ LEVELS = {"x86-64-v4-vnni-bf16-amx": _BF16 + ("amx_tile", "amx_int8"), "x86-64-v
 MARCH = {"x86-64-v4-vnni-bf16-amx": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"],
          "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # where not -march=LEVEL
          "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}
-ABI_VERSION = 10
+ABI_VERSION = 11
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -59,7 +59,7 @@ SIGNATURES = {
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
     "kvw_prefill_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, I64, P, P, P, P, I64, P, P, P, P,
-                           I64, I64, I64, I32, F32, I32],
+                           I64, I64, I64, I32, F32, I32, P],
     "kvw_gemm_q4_0": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_gemm_q4_1": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_gemm_q8_0": [P, I64, I64, P, I64, P, P, P, P, I32],
@@ -71,6 +71,7 @@ SIGNATURES = {
     "kvw_draft_head_chain": [P, I64, P, P, P, I64, F32, P, P, I32],
 }
 RESTYPES = {"kvw_draft_head_chain": I64}
+LAYER_CALLBACK = ctypes.CFUNCTYPE(I32, I64)  # kvw_prefill_layers' after_layer: next thread count, 0 stops
 WEIGHT_TYPES = {torch.int8: 0, torch.bfloat16: 1, torch.float32: 2}  # the C file's WT_* codes
 WT_I8A8 = 3  # int8 weights x int8 activations (blocks of 32), AVX512-VNNI builds only
 WT_I8A8_PACKED = 4  # the same, weights as pack_i8a8 lays them out (kvw_gemm_i8a8)

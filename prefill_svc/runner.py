@@ -35,12 +35,21 @@ class _LayerHook:
 
     def attend(self, layer, q, k, v, window):
         out = self.cache.attend(layer, q, k, v, window)
+        self.after_layer(layer)
+        return out
+
+    def after_layer(self, layer: int) -> int:
+        """``layer``'s pages are written (by ``attend``, or by the fused prefill of kvwire.model.fast_decode):
+        report it; returns the thread count for the next layer."""
         if self.abort.is_set():
             raise Aborted()
         self.on_layer(layer)
         if self.cores is not None:
             use_threads(self.cores.busy())
-        return out
+        return torch.get_num_threads()
+
+    def __getattr__(self, name):  # the rest is the real cache's (the fused prefill reads its pages and step)
+        return getattr(self.cache, name)
 
 
 class PrefillRunner:

@@ -12,8 +12,9 @@ Prefill steps (``PagedKVCache.prepare(prefill=True)``) take ``kvw_prefill_layers
 is a GEMM whose rows are independent (packed int8, GGUF blocks) and head_dim is at most 64 (where
 the eager path always takes the same attention kernel): the same ops with the row ops split between
 threads, so a prompt's bits never depend on the step's other prompts; the final norm and LM head run
-as in the model. Where the conditions fail (or with ``KVWIRE_PREFILL_LAYERS=0``), every prefill step
-runs the model forward.
+as in the model. A cache with ``after_layer`` (prefill_svc's, which streams each layer's pages) is
+called after every layer. Where the conditions fail (or with ``KVWIRE_PREFILL_LAYERS=0``), every
+prefill step runs the model forward.
 """
 from __future__ import annotations
 
@@ -150,13 +151,24 @@ class FastDecode:
         cos, sin = (t.reshape(n, d).contiguous() for t in rope_cos_sin(self.model.inv_freq, positions))  # [n, d]
         seg = segments.t().contiguous()  # [3, S]: first rows, lengths, starts
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        hook, raised = getattr(cache, "after_layer", None), []
+
+        def after_layer(layer: int) -> int:  # an exception cannot cross C: kept, raised once C returns
+            try:
+                return hook(layer)
+            except BaseException as e:  # noqa: BLE001
+                raised.append(e)
+                return 0
+        callback = cpu.LAYER_CALLBACK(after_layer) if hook is not None else None
         self.lib.kvw_prefill_layers(
             self.layers, len(self.layers), x.data_ptr(), n, self.hidden, self.h, self.hkv, d, self.inter, self.eps,
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), seg.shape[1], seg[0].data_ptr(), seg[1].data_ptr(),
             seg[2].data_ptr(), tables.data_ptr(), tables.shape[1], cache.k.data_ptr(), cache.v.data_ptr(),
             ptr(cache.k_scale), ptr(cache.v_scale), cache.k[0].numel(),
             0 if cache.k_scale is None else cache.k_scale[0].numel(), cache.spec.block_size,
-            int(cache.k_scale is not None), cache.sm_scale, torch.get_num_threads())
+            int(cache.k_scale is not None), cache.sm_scale, torch.get_num_threads(), callback)
+        if raised:
+            raise raised[0]
         if logits_rows is not None:
             x = x[logits_rows]  # [num_rows, hidden]
         self.model.last_hidden = self.model.norm(x)  # as Transformer.forward ends

@@ -1332,13 +1332,14 @@ static void gather_pages(const void *pages, const uint16_t *scales, const int32_
  * len[s]) of one sequence at positions start[s] .. (block table tables[s], max_blocks wide). Each segment's
  * queries attend over its pages before start[s] (from its window's first block), dequantized, then causally
  * over their own full-precision K/V: kvwire.kv.paged.PagedKVCache.attend's prefill rows, the same
- * kvw_prefill_attention on the same inputs. head_dim is a multiple of 16. */
+ * kvw_prefill_attention on the same inputs. head_dim is a multiple of 16. after_layer (or NULL), called
+ * once a layer's pages are written, returns the thread count for the next layer, or 0 to stop there. */
 void kvw_prefill_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, int64_t n, int64_t hidden,
                         int64_t h, int64_t hkv, int64_t d, int64_t inter, float eps, const float *cos_,
                         const float *sin_, const int64_t *slots, int64_t S, const int64_t *row0, const int64_t *len,
                         const int64_t *start, const int32_t *tables, int64_t max_blocks, void *k_base, void *v_base,
-                        uint16_t *keysbase, uint16_t *valsbase, int64_t page_stride, int64_t scale_stride,
-                        int64_t block_size, int fp8, float sm_scale, int nthreads) {
+                        uint16_t *ks_base, uint16_t *vs_base, int64_t page_stride, int64_t scale_stride,
+                        int64_t block_size, int fp8, float sm_scale, int nthreads, int (*after_layer)(int64_t)) {
     const size_t elem = fp8 ? 1 : 2;
     int64_t most = 0;  /* the most keys any segment gathers */
     for (int64_t s = 0; s < S; s++) most = start[s] + len[s] > most ? start[s] + len[s] : most;
@@ -1350,7 +1351,7 @@ void kvw_prefill_layers(const kvw_layer_t *layers, int64_t num_layers, float *x,
     for (int64_t i = 0; i < num_layers; i++) {
         const kvw_layer_t *L = layers + i;
         void *kp = (char *)k_base + i * page_stride * elem, *vp = (char *)v_base + i * page_stride * elem;
-        uint16_t *ks = fp8 ? keysbase + i * scale_stride : NULL, *vs = fp8 ? valsbase + i * scale_stride : NULL;
+        uint16_t *ks = fp8 ? ks_base + i * scale_stride : NULL, *vs = fp8 ? vs_base + i * scale_stride : NULL;
         rows_rms_norm(x, n, hidden, L->attn_norm, eps, hbuf, nthreads);
         run_linear(&L->qkv, hbuf, n, qkv, NULL, nthreads);
         rows_rope_write(qkv, n, h, hkv, d, cos_, sin_, q, k, v, slots, block_size, kp, vp, ks, vs, fp8, nthreads);
@@ -1376,6 +1377,7 @@ void kvw_prefill_layers(const kvw_layer_t *layers, int64_t num_layers, float *x,
         run_linear(&L->gate_up, hbuf, n, gu, NULL, nthreads);
         rows_silu_mul(gu, n, inter, act, nthreads);
         run_linear(&L->down, act, n, x, x, nthreads);
+        if (after_layer && (nthreads = after_layer(i)) < 1) break;  /* the caller's next thread count, 0: stop */
     }
     free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(kb); free(vb); free(gu); free(act);
 }
@@ -1496,4 +1498,4 @@ int64_t kvw_draft_head_chain(const kvw_draft_head_t *H, int64_t S, const float *
     return calls;
 }
 
-int kvw_abi_version(void) { return 10; }
+int kvw_abi_version(void) { return 11; }
