@@ -1251,42 +1251,7 @@ static void run_linear(const kvw_linear_t *l, const float *x, int64_t rows, floa
     linear(x, rows, l->in, l->w, l->out, y, l->scale, l->bias, res, nthreads, (int)l->wt);
 }
 
-/* x [n, hidden] (the embeddings in, the last layer's output out, in place) through every layer:
- * the sequence of kvw_* calls kvwire/model/fast_decode.py documents, without going back to Python.
- * Layer l's pages start at k_base + l * page_stride elements (scales: l * scale_stride). */
-void kvw_decode_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, int64_t n, int64_t hidden,
-                       int64_t h, int64_t hkv, int64_t d, int64_t inter, float eps, const float *cos_,
-                       const float *sin_, const int64_t *slots, const int32_t *tables, int64_t max_blocks,
-                       const int32_t *ctx, void *k_base, void *v_base, uint16_t *ks_base, uint16_t *vs_base,
-                       int64_t page_stride, int64_t scale_stride, int64_t block_size, int fp8, float sm_scale,
-                       int nthreads) {
-    const size_t elem = fp8 ? 1 : 2;
-    float *hbuf = malloc(sizeof(float) * n * hidden), *qkv = malloc(sizeof(float) * n * (h + 2 * hkv) * d);
-    float *q = malloc(sizeof(float) * n * h * d), *attn = malloc(sizeof(float) * n * h * d);
-    float *k = malloc(sizeof(float) * n * hkv * d), *v = malloc(sizeof(float) * n * hkv * d);
-    float *gu = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
-    for (int64_t i = 0; i < num_layers; i++) {
-        const kvw_layer_t *L = layers + i;
-        void *kp = (char *)k_base + i * page_stride * elem, *vp = (char *)v_base + i * page_stride * elem;
-        uint16_t *ks = fp8 ? ks_base + i * scale_stride : NULL, *vs = fp8 ? vs_base + i * scale_stride : NULL;
-        kvw_rms_norm(x, n, hidden, L->attn_norm, eps, hbuf);
-        run_linear(&L->qkv, hbuf, n, qkv, NULL, nthreads);
-        kvw_rope_split(qkv, n, h, hkv, d, cos_, sin_, q, k, v);
-        kvw_write_kv(k, v, n, hkv, d, slots, block_size, kp, vp, ks, vs, fp8);
-        kvw_paged_attention(q, n, h, hkv, d, kp, vp, ks, vs, block_size, tables, max_blocks, ctx, L->window,
-                            sm_scale, attn, fp8, nthreads);
-        run_linear(&L->o, attn, n, x, x, nthreads);
-        kvw_rms_norm(x, n, hidden, L->mlp_norm, eps, hbuf);
-        run_linear(&L->gate_up, hbuf, n, gu, NULL, nthreads);
-        kvw_silu_mul(gu, n, inter, act);
-        run_linear(&L->down, act, n, x, x, nthreads);
-    }
-    free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(gu); free(act);
-}
-
-/* ---- a prefill step's layers in one call ------------------------------------------------------- */
-
-/* The row ops of kvw_decode_layers, rows split between threads: each row's bytes are the serial call's. */
+/* The row ops of a step, rows split between threads: each row's bytes are the serial call's. */
 static void rows_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= 8)
     for (int64_t r = 0; r < rows; r++) kvw_rms_norm(x + r * n, 1, n, w, eps, y + r * n);
@@ -1308,6 +1273,74 @@ static void rows_rope_write(const float *qkv, int64_t T, int64_t h, int64_t hkv,
         kvw_write_kv(k + t * hkv * d, v + t * hkv * d, 1, hkv, d, slots + t, block_size, kp, vp, ks, vs, fp8);
     }
 }
+
+/* A step's activations for n rows. */
+typedef struct { float *hbuf, *qkv, *q, *attn, *k, *v, *gu, *act; } step_bufs_t;
+
+static step_bufs_t step_bufs(int64_t n, int64_t hidden, int64_t h, int64_t hkv, int64_t d, int64_t inter) {
+    return (step_bufs_t){malloc(sizeof(float) * n * hidden), malloc(sizeof(float) * n * (h + 2 * hkv) * d),
+                         malloc(sizeof(float) * n * h * d), malloc(sizeof(float) * n * h * d),
+                         malloc(sizeof(float) * n * hkv * d), malloc(sizeof(float) * n * hkv * d),
+                         malloc(sizeof(float) * n * 2 * inter), malloc(sizeof(float) * n * inter)};
+}
+
+static void step_bufs_free(step_bufs_t *b) {
+    free(b->hbuf); free(b->qkv); free(b->q); free(b->attn); free(b->k); free(b->v); free(b->gu); free(b->act);
+}
+
+/* Layer i's pages and scales (NULL for bf16 pages): layer l starts l * page_stride elements (scales:
+ * l * scale_stride) into the cache's tensors. */
+typedef struct { void *k, *v; uint16_t *ks, *vs; } layer_pages_t;
+
+static layer_pages_t layer_pages(int64_t i, void *k_base, void *v_base, uint16_t *ks_base, uint16_t *vs_base,
+                                 int64_t page_stride, int64_t scale_stride, int fp8) {
+    const size_t elem = fp8 ? 1 : 2;
+    return (layer_pages_t){(char *)k_base + i * page_stride * elem, (char *)v_base + i * page_stride * elem,
+                           fp8 ? ks_base + i * scale_stride : NULL, fp8 ? vs_base + i * scale_stride : NULL};
+}
+
+/* x [n, hidden] -> Q, K, V of layer L (in b) with RoPE, K/V written to the layer's pages. */
+static void layer_qkv(const kvw_layer_t *L, const float *x, int64_t n, int64_t hidden, int64_t h, int64_t hkv,
+                      int64_t d, float eps, const float *cos_, const float *sin_, const int64_t *slots,
+                      int64_t block_size, layer_pages_t P, int fp8, const step_bufs_t *b, int nthreads) {
+    rows_rms_norm(x, n, hidden, L->attn_norm, eps, b->hbuf, nthreads);
+    run_linear(&L->qkv, b->hbuf, n, b->qkv, NULL, nthreads);
+    rows_rope_write(b->qkv, n, h, hkv, d, cos_, sin_, b->q, b->k, b->v, slots, block_size, P.k, P.v, P.ks, P.vs,
+                    fp8, nthreads);
+}
+
+/* The layer after attention (b->attn): x += o(attn); x += down(silu(gate) * up) of rms_norm(x). */
+static void layer_rest(const kvw_layer_t *L, float *x, int64_t n, int64_t hidden, int64_t inter, float eps,
+                       const step_bufs_t *b, int nthreads) {
+    run_linear(&L->o, b->attn, n, x, x, nthreads);
+    rows_rms_norm(x, n, hidden, L->mlp_norm, eps, b->hbuf, nthreads);
+    run_linear(&L->gate_up, b->hbuf, n, b->gu, NULL, nthreads);
+    rows_silu_mul(b->gu, n, inter, b->act, nthreads);
+    run_linear(&L->down, b->act, n, x, x, nthreads);
+}
+
+/* x [n, hidden] (the embeddings in, the last layer's output out, in place) through every layer:
+ * the sequence of kvw_* calls kvwire/model/fast_decode.py documents, without going back to Python.
+ * Layer l's pages start at k_base + l * page_stride elements (scales: l * scale_stride). */
+void kvw_decode_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, int64_t n, int64_t hidden,
+                       int64_t h, int64_t hkv, int64_t d, int64_t inter, float eps, const float *cos_,
+                       const float *sin_, const int64_t *slots, const int32_t *tables, int64_t max_blocks,
+                       const int32_t *ctx, void *k_base, void *v_base, uint16_t *ks_base, uint16_t *vs_base,
+                       int64_t page_stride, int64_t scale_stride, int64_t block_size, int fp8, float sm_scale,
+                       int nthreads) {
+    step_bufs_t b = step_bufs(n, hidden, h, hkv, d, inter);
+    for (int64_t i = 0; i < num_layers; i++) {
+        const kvw_layer_t *L = layers + i;
+        const layer_pages_t P = layer_pages(i, k_base, v_base, ks_base, vs_base, page_stride, scale_stride, fp8);
+        layer_qkv(L, x, n, hidden, h, hkv, d, eps, cos_, sin_, slots, block_size, P, fp8, &b, nthreads);
+        kvw_paged_attention(b.q, n, h, hkv, d, P.k, P.v, P.ks, P.vs, block_size, tables, max_blocks, ctx, L->window,
+                            sm_scale, b.attn, fp8, nthreads);
+        layer_rest(L, x, n, hidden, inter, eps, &b, nthreads);
+    }
+    step_bufs_free(&b);
+}
+
+/* ---- a prefill step's layers in one call ------------------------------------------------------- */
 
 /* Positions [lo, lo + m) of a sequence from its pages (table: page per block) into dst [m, hkv, d] fp32:
  * kvwire_kernels.reference.dequantize_pages' values (fp8 * its bf16 scale, one fp32 rounding; bf16 exact). */
@@ -1340,46 +1373,36 @@ void kvw_prefill_layers(const kvw_layer_t *layers, int64_t num_layers, float *x,
                         const int64_t *start, const int32_t *tables, int64_t max_blocks, void *k_base, void *v_base,
                         uint16_t *ks_base, uint16_t *vs_base, int64_t page_stride, int64_t scale_stride,
                         int64_t block_size, int fp8, float sm_scale, int nthreads, int (*after_layer)(int64_t)) {
-    const size_t elem = fp8 ? 1 : 2;
     int64_t most = 0;  /* the most keys any segment gathers */
     for (int64_t s = 0; s < S; s++) most = start[s] + len[s] > most ? start[s] + len[s] : most;
-    float *hbuf = malloc(sizeof(float) * n * hidden), *qkv = malloc(sizeof(float) * n * (h + 2 * hkv) * d);
-    float *q = malloc(sizeof(float) * n * h * d), *attn = malloc(sizeof(float) * n * h * d);
-    float *k = malloc(sizeof(float) * n * hkv * d), *v = malloc(sizeof(float) * n * hkv * d);
+    step_bufs_t b = step_bufs(n, hidden, h, hkv, d, inter);
     float *kb = malloc(sizeof(float) * most * hkv * d), *vb = malloc(sizeof(float) * most * hkv * d);
-    float *gu = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
     for (int64_t i = 0; i < num_layers; i++) {
         const kvw_layer_t *L = layers + i;
-        void *kp = (char *)k_base + i * page_stride * elem, *vp = (char *)v_base + i * page_stride * elem;
-        uint16_t *ks = fp8 ? ks_base + i * scale_stride : NULL, *vs = fp8 ? vs_base + i * scale_stride : NULL;
-        rows_rms_norm(x, n, hidden, L->attn_norm, eps, hbuf, nthreads);
-        run_linear(&L->qkv, hbuf, n, qkv, NULL, nthreads);
-        rows_rope_write(qkv, n, h, hkv, d, cos_, sin_, q, k, v, slots, block_size, kp, vp, ks, vs, fp8, nthreads);
+        const layer_pages_t P = layer_pages(i, k_base, v_base, ks_base, vs_base, page_stride, scale_stride, fp8);
+        layer_qkv(L, x, n, hidden, h, hkv, d, eps, cos_, sin_, slots, block_size, P, fp8, &b, nthreads);
         for (int64_t s = 0; s < S; s++) {
             const int64_t r = row0[s], st = start[s], w = L->window;
-            const float *keys = k + r * hkv * d, *vals = v + r * hkv * d;
+            const float *keys = b.k + r * hkv * d, *vals = b.v + r * hkv * d;
             int64_t lo = st, m = len[s];
             if (st > 0) {  /* earlier chunks (or a reused prefix): from the pages, then this segment's own */
                 lo = (w ? (st - w + 1 > 0 ? st - w + 1 : 0) : 0) / block_size * block_size;
                 m = st - lo + len[s];
-                gather_pages(kp, ks, tables + s * max_blocks, lo, st - lo, hkv, d, block_size, fp8, kb);
-                gather_pages(vp, vs, tables + s * max_blocks, lo, st - lo, hkv, d, block_size, fp8, vb);
+                gather_pages(P.k, P.ks, tables + s * max_blocks, lo, st - lo, hkv, d, block_size, fp8, kb);
+                gather_pages(P.v, P.vs, tables + s * max_blocks, lo, st - lo, hkv, d, block_size, fp8, vb);
                 memcpy(kb + (st - lo) * hkv * d, keys, sizeof(float) * len[s] * hkv * d);
                 memcpy(vb + (st - lo) * hkv * d, vals, sizeof(float) * len[s] * hkv * d);
                 keys = kb;
                 vals = vb;
             }
-            kvw_prefill_attention(q + r * h * d, len[s], h, hkv, d, keys, vals, m, st, lo, w, sm_scale,
-                                  attn + r * h * d, nthreads);
+            kvw_prefill_attention(b.q + r * h * d, len[s], h, hkv, d, keys, vals, m, st, lo, w, sm_scale,
+                                  b.attn + r * h * d, nthreads);
         }
-        run_linear(&L->o, attn, n, x, x, nthreads);
-        rows_rms_norm(x, n, hidden, L->mlp_norm, eps, hbuf, nthreads);
-        run_linear(&L->gate_up, hbuf, n, gu, NULL, nthreads);
-        rows_silu_mul(gu, n, inter, act, nthreads);
-        run_linear(&L->down, act, n, x, x, nthreads);
+        layer_rest(L, x, n, hidden, inter, eps, &b, nthreads);
         if (after_layer && (nthreads = after_layer(i)) < 1) break;  /* the caller's next thread count, 0: stop */
     }
-    free(hbuf); free(qkv); free(q); free(attn); free(k); free(v); free(kb); free(vb); free(gu); free(act);
+    step_bufs_free(&b);
+    free(kb); free(vb);
 }
 
 /* ---- a draft head (kvwire/model/draft_head.py) in C ------------------------------------------- */
