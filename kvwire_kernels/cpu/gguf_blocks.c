@@ -138,8 +138,16 @@ static void quantize_blocks(const float *x, int64_t rows, int64_t in, actq_t a) 
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t *qp = a.q + r * in + 32 * b;
             int32_t sum[2] = {0, 0};
+#if defined(__AVX512F__)
+            for (int h = 0; h < 2; h++) {  /* rintf's numbers: vcvtps2dq rounds as MXCSR says, nearest even */
+                const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xp + 16 * h), _mm512_set1_ps(inv)));
+                _mm_storeu_si128((__m128i *)(qp + 16 * h), _mm512_cvtepi32_epi8(qi));
+                sum[h] = _mm512_reduce_add_epi32(qi);
+            }
+#else
             for (int i = 0; i < 32; i++) qp[i] = (int8_t)rintf(xp[i] * inv);  /* default rounding: nearest even */
             for (int i = 0; i < 32; i++) sum[i / 16] += qp[i];
+#endif
             a.s[r * (in / 32) + b] = amax / 127.0f;
             a.sum[r * (in / 32) + b] = sum[0] + sum[1];
             a.sum16[r * (in / 16) + 2 * b] = sum[0];
@@ -379,11 +387,17 @@ static void qgemm(const float *x, int64_t rows, int64_t in, const uint8_t *wp, i
     const int64_t nb = in / 32;
     actq_t a = {malloc((size_t)rows * in + 64), malloc(sizeof(float) * rows * nb), malloc(sizeof(int32_t) * rows * nb),
                 malloc(sizeof(int32_t) * rows * nb * 2)};
-    quantize_blocks(x, rows, in, a);
+    const int split = rows >= QUANT_SPLIT_ROWS;  /* as kvw_gemm_i8a8 */
+    if (!split) quantize_blocks(x, rows, in, a);
     const int64_t groups = out / 16;
 #pragma omp parallel num_threads(nthreads)
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        if (split) {
+            const int64_t r0 = rows * id / nt, r1 = rows * (id + 1) / nt;
+            quantize_blocks(x + r0 * in, r1 - r0, in, (actq_t){a.q + r0 * in, a.s + r0 * nb, a.sum + r0 * nb, a.sum16 + r0 * nb * 2});
+#pragma omp barrier
+        }
         range_qgemm(a, rows, in, wp, out, groups * id / nt, groups * (id + 1) / nt, y, scale, bias, res, F);
     }
     free(a.q); free(a.s); free(a.sum); free(a.sum16);

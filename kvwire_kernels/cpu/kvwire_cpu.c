@@ -42,6 +42,7 @@
 #endif
 #define GEMM_NR 12  /* activation rows per kvw_gemm_i8a8 tile (x 16 outputs); range_gemm's switch spells 1-11 */
 #ifndef KVW_AMX_MIN_ROWS
+#define QUANT_SPLIT_ROWS 16  /* a GEMM of this many activation rows or more quantizes them on every thread */
 #define KVW_AMX_MIN_ROWS 3  /* rows from which a kvw_gemm_i8a8 tile goes to AMX instead of VNNI */
 #endif
 #ifndef ATT_GROUP
@@ -98,6 +99,27 @@ ALWAYS_INLINE f32x16 load_fp8(const uint8_t *p) {
     u32x16 bits = ((w & 0x7Fu) << 20) | ((w & 0x80u) << 24);
     return (f32x16)bits * 0x1p120f;
 }
+/* load_fp8 times 2^-8, exactly, through the half-precision converter (4 instructions per 16 values
+ * against load_fp8's 6; the decode attention is bound by them): the byte sign-extended to 16 bits
+ * and shifted left by 7 holds e4m3's exponent and mantissa in fp16's fields (bias 15 instead of 7,
+ * hence 2^-8) once bit 14, a copy of the sign, is cleared; subnormals stay subnormals. A caller
+ * multiplies 2^8 into a scale it applies anyway: scaling by a power of two is exact, so every
+ * product, sum and scaled result has load_fp8's bits. */
+ALWAYS_INLINE f32x16 load_fp8_x2e8(const uint8_t *p) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+                                       _mm256_set1_epi16((short)0xBFFF));
+#if defined(__AVX512F__)
+    __m512 v = _mm512_cvtph_ps(h);
+#else
+    __m256 v[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+#endif
+    f32x16 r; memcpy(&r, &v, 64); return r;
+#else
+    return load_fp8(p) * 0x1p-8f;
+#endif
+}
+#define KV_FP8_UNIT 0x1p8f  /* what load_fp8_x2e8's callers multiply into their scales */
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef float f32x2 __attribute__((vector_size(8)));
@@ -693,11 +715,17 @@ void kvw_gemm_i8a8(const float *x, int64_t rows, int64_t in, const uint8_t *wp, 
                    const float *scale, const float *bias, const float *res, int nthreads) {
 #ifdef KVW_VNNI
     act8_t a = {malloc((size_t)rows * in), malloc((size_t)rows * in), malloc(sizeof(float) * rows)};
-    quantize_act8(x, rows, in, a);
+    const int split = rows >= QUANT_SPLIT_ROWS;  /* rows quantized by all threads (a barrier), else before */
+    if (!split) quantize_act8(x, rows, in, a);
     const int64_t groups = out / 16;
 #pragma omp parallel num_threads(nthreads)
     {
         int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        if (split) {
+            const int64_t r0 = rows * id / nt, r1 = rows * (id + 1) / nt;
+            quantize_act8(x + r0 * in, r1 - r0, in, (act8_t){a.q + r0 * in, a.s + r0 * in / 4, a.k + r0});
+#pragma omp barrier
+        }
         range_gemm(a, rows, in, wp, out, groups * id / nt, groups * (id + 1) / nt, y, scale, bias, res);
     }
     free(a.q); free(a.s); free(a.k);
@@ -861,8 +889,9 @@ void kvw_rope_split(const float *qkv, int64_t T, int64_t h, int64_t hkv, int64_t
 
 /* ---- paged attention, one query row per (token), GQA, reading fp8/bf16 pages in place --------- */
 
+/* FP8 rows come times 2^-8 (load_fp8_x2e8): the caller's scales carry KV_FP8_UNIT. */
 ALWAYS_INLINE f32x16 load_kv(const void *pages, int64_t idx, int64_t d, int64_t c, int fp8) {
-    if (fp8) return load_fp8((const uint8_t *)pages + idx * d + c * 16);
+    if (fp8) return load_fp8_x2e8((const uint8_t *)pages + idx * d + c * 16);
     return load_bf16((const uint16_t *)pages + idx * d + c * 16);
 }
 
@@ -967,7 +996,7 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
             if (j < jlo || j > jhi) { for (int64_t c = 0; c < nc; c++) kb[t][c] = (f32x16){0}; continue; }
             const int64_t idx = at[j - cs];
             for (int64_t c = 0; c < nc; c++) kb[t][c] = load_kv(k_pages, idx, d, c, fp8);
-            ksv[t] = (fp8 ? bf16_to_f32(k_scale[idx]) : 1.0f) * sm_scale;
+            ksv[t] = fp8 ? bf16_to_f32(k_scale[idx]) * (sm_scale * KV_FP8_UNIT) : sm_scale;
         }
         const i32x16 pos = lane + (int32_t)base;
         for (int64_t i = 0; i < n; i++) {
@@ -1009,7 +1038,7 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
     for (int64_t j = jlo; j <= jhi; j++) {
         const int64_t idx = at[j - cs];
         for (int64_t c = 0; c < nc; c++) vb[j - cs][c] = load_kv(v_pages, idx, d, c, fp8);
-        vsc[j - cs] = fp8 ? bf16_to_f32(v_scale[idx]) : 1.0f;
+        vsc[j - cs] = fp8 ? bf16_to_f32(v_scale[idx]) * KV_FP8_UNIT : 1.0f;
     }
     for (int64_t i = 0; i < n; i++) {
         const int64_t a = lo[i] > jlo ? lo[i] : jlo, b = hi[i] < jhi ? hi[i] : jhi;
@@ -1352,8 +1381,8 @@ static void gather_pages(const void *pages, const uint16_t *scales, const int32_
             const int64_t idx = (page * hkv + g) * block_size + off;
             float *o = dst + (j * hkv + g) * d;
             if (fp8) {
-                const f32x16 s = splat(bf16_to_f32(scales[idx]));
-                for (int64_t i = 0; i < d; i += 16) store_f32(o + i, load_fp8((const uint8_t *)pages + idx * d + i) * s);
+                const f32x16 s = splat(bf16_to_f32(scales[idx]) * KV_FP8_UNIT);
+                for (int64_t i = 0; i < d; i += 16) store_f32(o + i, load_fp8_x2e8((const uint8_t *)pages + idx * d + i) * s);
             } else {
                 for (int64_t i = 0; i < d; i += 16) store_f32(o + i, load_bf16((const uint16_t *)pages + idx * d + i));
             }

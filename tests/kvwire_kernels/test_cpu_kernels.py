@@ -289,6 +289,21 @@ def test_paged_attention_matches_reference(fp8, window):
         assert torch.equal(alone, ours[i:i + 1])
 
 
+def test_paged_attention_reads_every_fp8_byte_exactly():
+    """A one-position context returns its V row times its scale: every e4m3 byte (subnormals, both
+    zeros, the largest; not NaN) must come out as torch's float8 value, exactly, though the kernel
+    converts through fp16 with 2^8 folded into the scale."""
+    k, v, ks, vs = _pages(True, num_pages=1, hkv=4)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] -= 1  # 0x7F / 0xFF are e4m3fn's NaN, which the quantizer never writes
+    v.view(torch.uint8)[0, :, 0] = codes.view(4, 64)
+    ks[0, :, 0], vs[0, :, 0] = 1.0, torch.tensor([0.75, 3.0, 2.0 ** -20, 448.0])
+    out = cpu.paged_attention(torch.randn(1, 4, 64), k, v, ks, vs, torch.zeros(1, 1, dtype=torch.int32),
+                              torch.ones(1, dtype=torch.int32), None, 0.125)
+    want = v[0, :, 0].float() * vs[0, :, 0].float()[:, None]
+    assert torch.equal(out[0], want)
+
+
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_attention_groups_a_sequences_rows_without_changing_a_bit(fp8, window):

@@ -92,11 +92,13 @@ def test_gemm_matches_reference(qtype, rows, n_in, n_out):
 @kernels
 @pytest.mark.parametrize("qtype", TYPES)
 def test_rows_independent_of_batch_and_threads(qtype):
+    """21 rows: more than QUANT_SPLIT_ROWS, so the threads quantize halves of the batch; one row
+    alone is quantized before the threads start."""
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(15, 768, generator=g)
+    x = torch.randn(21, 768, generator=g)
     packed = cpu.pack_gguf(raw_of(qtype, 512, 768, seed=3), qtype)
     full = cpu.gemm_gguf(x, packed, qtype, threads=2)
-    for i in range(15):
+    for i in range(21):
         assert torch.equal(cpu.gemm_gguf(x[i:i + 1].clone(), packed, qtype, threads=1), full[i:i + 1]), i
     assert torch.equal(cpu.gemm_gguf(x[3:11].clone(), packed, qtype, threads=2), full[3:11])
 
