@@ -362,19 +362,34 @@ ALWAYS_INLINE void q6k_tile(actq_t a, int64_t in, const uint8_t *wp, int64_t o0,
     default: T(a, in, panel, o, r, out, y, scale, bias, res, F, 2); break; }
 #endif
 
+/* Q6_K's tile keeps four half-block sums per row in registers: at QG_NR rows they spill, so its
+ * tiles take at most 4 rows (docs/decisions/070-fp8-through-f16c-and-parallel-act-quant.md). */
+#if QG_NR > 4
+#define Q6_NR 4
+#define Q6_CASES(T, F) switch (rows - r < Q6_NR ? rows - r : Q6_NR) { \
+    case 1: T(a, in, panel, o, r, out, y, scale, bias, res, F, 1); break; \
+    case 2: T(a, in, panel, o, r, out, y, scale, bias, res, F, 2); break; \
+    case 3: T(a, in, panel, o, r, out, y, scale, bias, res, F, 3); break; \
+    default: T(a, in, panel, o, r, out, y, scale, bias, res, F, 4); break; }
+#else
+#define Q6_NR QG_NR
+#define Q6_CASES QG_CASES
+#endif
+
 static void range_qgemm(actq_t a, int64_t rows, int64_t in, const uint8_t *wp, int64_t out, int64_t g_begin,
                         int64_t g_end, float *y, const float *scale, const float *bias, const float *res, const int F) {
     /* One panel (16 outputs x in inputs: L1/L2-resident) against every row tile in turn. */
+    const int64_t nr = F == QF_Q6_K ? Q6_NR : QG_NR;
     for (int64_t g = g_begin; g < g_end; g++) {
         const uint8_t *panel = wp + (size_t)g * (in / UNIT_VALUES(F)) * UNIT_BYTES(F);
         const int64_t o = g * 16;
-        for (int64_t r = 0; r < rows; r += QG_NR) {
+        for (int64_t r = 0; r < rows; r += nr) {
             if (F == QF_Q4_0) { QG_CASES(qgemm_tile, QF_Q4_0) }
             else if (F == QF_Q4_1) { QG_CASES(qgemm_tile, QF_Q4_1) }
             else if (F == QF_Q8_0) { QG_CASES(qgemm_tile, QF_Q8_0) }
             else if (F == QF_Q4_K) { QG_CASES(qk_tile, QF_Q4_K) }
             else if (F == QF_Q5_K) { QG_CASES(qk_tile, QF_Q5_K) }
-            else { QG_CASES(q6k_tile, QF_Q6_K) }
+            else { Q6_CASES(q6k_tile, QF_Q6_K) }
         }
     }
 }
