@@ -41,8 +41,8 @@
 #define L1_TILE_MAX_IN 1024  /* widest input whose 4-row fp32 weight tile (16 KB) is kept in L1 */
 #endif
 #define GEMM_NR 12  /* activation rows per kvw_gemm_i8a8 tile (x 16 outputs); range_gemm's switch spells 1-11 */
-#ifndef KVW_AMX_MIN_ROWS
 #define QUANT_SPLIT_ROWS 16  /* a GEMM of this many activation rows or more quantizes them on every thread */
+#ifndef KVW_AMX_MIN_ROWS
 #define KVW_AMX_MIN_ROWS 3  /* rows from which a kvw_gemm_i8a8 tile goes to AMX instead of VNNI */
 #endif
 #ifndef ATT_GROUP
@@ -99,8 +99,8 @@ ALWAYS_INLINE f32x16 load_fp8(const uint8_t *p) {
     u32x16 bits = ((w & 0x7Fu) << 20) | ((w & 0x80u) << 24);
     return (f32x16)bits * 0x1p120f;
 }
-/* load_fp8 times 2^-8, exactly, through the half-precision converter (4 instructions per 16 values
- * against load_fp8's 6; the decode attention is bound by them): the byte sign-extended to 16 bits
+/* load_fp8 times 2^-8, exactly, through the half-precision converter (4 instructions per 16 values,
+ * three of them 256 bits wide, against load_fp8's 6 of 512): the byte sign-extended to 16 bits
  * and shifted left by 7 holds e4m3's exponent and mantissa in fp16's fields (bias 15 instead of 7,
  * hence 2^-8) once bit 14, a copy of the sign, is cleared; subnormals stay subnormals. A caller
  * multiplies 2^8 into a scale it applies anyway: scaling by a power of two is exact, so every
