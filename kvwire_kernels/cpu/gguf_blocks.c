@@ -342,39 +342,22 @@ ALWAYS_INLINE void q6k_tile(actq_t a, int64_t in, const uint8_t *wp, int64_t o0,
     qtile_store(acc, o0, r0, out, y, scale, bias, res, NR);
 }
 
+/* T's tile for the next min(rows - r, N) rows (N <= QG_NR), with NR a constant in each case. */
+#define QTILE(T, F, NR) T(a, in, panel, o, r, out, y, scale, bias, res, F, NR); break;
 #if QG_NR == 6
-#define QG_CASES(T, F) switch (rows - r < QG_NR ? rows - r : QG_NR) { \
-    case 1: T(a, in, panel, o, r, out, y, scale, bias, res, F, 1); break; \
-    case 2: T(a, in, panel, o, r, out, y, scale, bias, res, F, 2); break; \
-    case 3: T(a, in, panel, o, r, out, y, scale, bias, res, F, 3); break; \
-    case 4: T(a, in, panel, o, r, out, y, scale, bias, res, F, 4); break; \
-    case 5: T(a, in, panel, o, r, out, y, scale, bias, res, F, 5); break; \
-    default: T(a, in, panel, o, r, out, y, scale, bias, res, F, 6); break; }
+#define QTILE_CASES(T, F, N) switch (rows - r < (N) ? rows - r : (N)) { \
+    case 1: QTILE(T, F, 1) case 2: QTILE(T, F, 2) case 3: QTILE(T, F, 3) case 4: QTILE(T, F, 4) case 5: QTILE(T, F, 5) \
+    default: QTILE(T, F, N) }
 #elif QG_NR == 4
-#define QG_CASES(T, F) switch (rows - r < QG_NR ? rows - r : QG_NR) { \
-    case 1: T(a, in, panel, o, r, out, y, scale, bias, res, F, 1); break; \
-    case 2: T(a, in, panel, o, r, out, y, scale, bias, res, F, 2); break; \
-    case 3: T(a, in, panel, o, r, out, y, scale, bias, res, F, 3); break; \
-    default: T(a, in, panel, o, r, out, y, scale, bias, res, F, 4); break; }
+#define QTILE_CASES(T, F, N) switch (rows - r < (N) ? rows - r : (N)) { \
+    case 1: QTILE(T, F, 1) case 2: QTILE(T, F, 2) case 3: QTILE(T, F, 3) default: QTILE(T, F, N) }
 #else
-#define QG_CASES(T, F) switch (rows - r < QG_NR ? rows - r : QG_NR) { \
-    case 1: T(a, in, panel, o, r, out, y, scale, bias, res, F, 1); break; \
-    default: T(a, in, panel, o, r, out, y, scale, bias, res, F, 2); break; }
+#define QTILE_CASES(T, F, N) switch (rows - r < (N) ? rows - r : (N)) { case 1: QTILE(T, F, 1) default: QTILE(T, F, N) }
 #endif
 
-/* Q6_K's tile keeps four half-block sums per row in registers: at QG_NR rows they spill, so its
- * tiles take at most 4 rows (docs/decisions/070-fp8-through-f16c-and-parallel-act-quant.md). */
-#if QG_NR > 4
-#define Q6_NR 4
-#define Q6_CASES(T, F) switch (rows - r < Q6_NR ? rows - r : Q6_NR) { \
-    case 1: T(a, in, panel, o, r, out, y, scale, bias, res, F, 1); break; \
-    case 2: T(a, in, panel, o, r, out, y, scale, bias, res, F, 2); break; \
-    case 3: T(a, in, panel, o, r, out, y, scale, bias, res, F, 3); break; \
-    default: T(a, in, panel, o, r, out, y, scale, bias, res, F, 4); break; }
-#else
-#define Q6_NR QG_NR
-#define Q6_CASES QG_CASES
-#endif
+/* Q6_K's tile keeps four half-block sums per row in registers: at 6 rows they spill, so its tiles
+ * take at most 4 rows (docs/decisions/070-fp8-through-f16c-and-parallel-act-quant.md). */
+#define Q6_NR (QG_NR > 4 ? 4 : QG_NR)
 
 static void range_qgemm(actq_t a, int64_t rows, int64_t in, const uint8_t *wp, int64_t out, int64_t g_begin,
                         int64_t g_end, float *y, const float *scale, const float *bias, const float *res, const int F) {
@@ -384,12 +367,12 @@ static void range_qgemm(actq_t a, int64_t rows, int64_t in, const uint8_t *wp, i
         const uint8_t *panel = wp + (size_t)g * (in / UNIT_VALUES(F)) * UNIT_BYTES(F);
         const int64_t o = g * 16;
         for (int64_t r = 0; r < rows; r += nr) {
-            if (F == QF_Q4_0) { QG_CASES(qgemm_tile, QF_Q4_0) }
-            else if (F == QF_Q4_1) { QG_CASES(qgemm_tile, QF_Q4_1) }
-            else if (F == QF_Q8_0) { QG_CASES(qgemm_tile, QF_Q8_0) }
-            else if (F == QF_Q4_K) { QG_CASES(qk_tile, QF_Q4_K) }
-            else if (F == QF_Q5_K) { QG_CASES(qk_tile, QF_Q5_K) }
-            else { Q6_CASES(q6k_tile, QF_Q6_K) }
+            if (F == QF_Q4_0) { QTILE_CASES(qgemm_tile, QF_Q4_0, QG_NR) }
+            else if (F == QF_Q4_1) { QTILE_CASES(qgemm_tile, QF_Q4_1, QG_NR) }
+            else if (F == QF_Q8_0) { QTILE_CASES(qgemm_tile, QF_Q8_0, QG_NR) }
+            else if (F == QF_Q4_K) { QTILE_CASES(qk_tile, QF_Q4_K, QG_NR) }
+            else if (F == QF_Q5_K) { QTILE_CASES(qk_tile, QF_Q5_K, QG_NR) }
+            else { QTILE_CASES(q6k_tile, QF_Q6_K, Q6_NR) }
         }
     }
 }
