@@ -9,12 +9,14 @@ result equals in-process generation with the same seed, with no generator state 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvwire.logits_process import RowContext, process
 from kvwire.sampling_params import SamplingParams
+from kvwire_kernels import cpu as cpu_kernels
 
 if TYPE_CHECKING:
     from kvwire.grammar import Matcher
@@ -95,16 +97,52 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     total = float(cdf[-1])
     if not math.isfinite(total) or total <= 0.0:
         raise ValueError(f"cannot sample from weights that sum to {total} (NaN, inf or all zero)")
-    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total  # as ``uniform``
     i = int(torch.searchsorted(cdf, u, right=True))  # the first index whose cumulative weight exceeds u
     return i if i < cdf.shape[0] else int(torch.searchsorted(cdf, total))  # u rounded up to the total
 
 
+def uniform(params: SamplingParams, step: int) -> float:
+    """The one uniform in [0, 1) that draws generated token ``step`` of a request with ``params``."""
+    return float(torch.rand((), dtype=torch.float64, generator=step_generator(params.seed, step)))
+
+
+def plain_temperature(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether ``sample`` draws this row with the C kernel: temperature alone (no top-k, top-p or
+    min-p; the OpenAI API's default), fp32 [vocab] logits on the CPU, the kernels built."""
+    return (not params.greedy and params.min_p == 0.0 and params.top_p >= 1.0
+            and not (params.top_k and params.top_k < logits.shape[-1]) and logits.device.type == "cpu"
+            and logits.dtype == torch.float32 and logits.dim() == 1 and logits.is_contiguous()
+            and cpu_kernels.available())
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     """logits [vocab] -> one token id; ``step`` is the index of the token among generated ones."""
-    if params.greedy:
-        return argmax(logits)
-    return draw(probabilities(logits, params), step_generator(params.seed, step))
+    return sample_rows([logits], [params], [step])[0]
+
+
+def sample_rows(rows: Sequence[torch.Tensor], params: Sequence[SamplingParams], steps: Sequence[int]) -> list[int]:
+    """``sample`` for each row [vocab] (a decode step's requests): greedy rows by argmax; rows at a
+    plain temperature in one call of the C kernel (``kvwire_kernels.cpu.sample_rows``: the weights
+    exp((x - max) / T) summed in double without a float64 copy and cumulative sum of the vocabulary;
+    4x faster a row, the rows split over the threads; docs/decisions/045-sampler-cpu-paths.md); the
+    rest through ``probabilities`` and ``draw``. Every draw takes the same uniform (``uniform``), so a
+    row's token does not depend on the path beyond float rounding at a boundary of the distribution."""
+    out: list[int | None] = [None] * len(rows)
+    plain = []
+    for i, (row, p, step) in enumerate(zip(rows, params, steps)):
+        if p.greedy:
+            out[i] = argmax(row)
+        elif plain_temperature(row, p):
+            plain.append(i)
+        else:
+            out[i] = draw(probabilities(row, p), step_generator(p.seed, steps[i]))
+    if plain:
+        got = cpu_kernels.sample_rows([rows[i] for i in plain], [params[i].temperature for i in plain],
+                                      [uniform(params[i], steps[i]) for i in plain])
+        for i, token in zip(plain, got):
+            out[i] = token
+    return out  # type: ignore[return-value]
 
 
 def sample_first(logits: torch.Tensor, params: SamplingParams, prompt: list[int], stops: frozenset[int],

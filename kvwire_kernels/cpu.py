@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ LEVELS = {"x86-64-v4-vnni-bf16-amx": _BF16 + ("amx_tile", "amx_int8"), "x86-64-v
 MARCH = {"x86-64-v4-vnni-bf16-amx": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"],
          "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # where not -march=LEVEL
          "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}
-ABI_VERSION = 11
+ABI_VERSION = 12
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -48,6 +49,7 @@ SIGNATURES = {
     "kvw_linear_f32": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_rms_norm": [P, I64, I64, P, F32, P],
     "kvw_silu_mul": [P, I64, I64, P],
+    "kvw_sample_rows": [P, I64, I64, P, P, P, I32],
     "kvw_write_kv": [P, P, I64, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_rope_split": [P, I64, I64, I64, I64, P, P, P, P, P],
     "kvw_paged_attention": [P, I64, I64, I64, I64, P, P, P, P, I64, P, I64, P, I64, F32, P, I32, I32],
@@ -467,6 +469,33 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width // 2)
     library().kvw_silu_mul(gu.data_ptr(), rows, width // 2, out.data_ptr())
     return out
+
+
+def sample_rows(rows: Sequence[torch.Tensor], temperatures: Sequence[float], uniforms: Sequence[float],
+                threads: int | None = None) -> list[int]:
+    """One token per row of logits (fp32 [vocab] each, contiguous, the same vocab) from
+    softmax(row / temperature), drawn with its uniform in [0, 1) by the inverse of the cumulative
+    weights (``kvwire.sampler.draw``'s rule: the first index whose running weight exceeds u times
+    the total; a zero weight is never drawn). Raises ValueError where a row's weights do not sum to
+    a finite positive total (NaN or infinite logits)."""
+    n = len(rows)
+    if not n:
+        return []
+    vocab = rows[0].shape[-1]
+    for r in rows:
+        _check(r, torch.float32, "logits")
+        if r.dim() != 1 or r.shape[0] != vocab or not r.is_contiguous():
+            raise ValueError(f"sample_rows: rows must be contiguous [vocab={vocab}], got {tuple(r.shape)}")
+    ptrs = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64)
+    temps = torch.tensor(temperatures, dtype=torch.float32)
+    us = torch.tensor(uniforms, dtype=torch.float64)
+    out = torch.empty(n, dtype=torch.int64)
+    library().kvw_sample_rows(ptrs.data_ptr(), n, vocab, temps.data_ptr(), us.data_ptr(), out.data_ptr(),
+                              threads or torch.get_num_threads())
+    got = out.tolist()
+    if min(got) < 0:
+        raise ValueError("cannot sample from weights that sum to NaN or inf (NaN or infinite logits)")
+    return got
 
 
 def rope_split(qkv: torch.Tensor, h: int, hkv: int, d: int, cos: torch.Tensor, sin: torch.Tensor):

@@ -21,7 +21,7 @@ from kvwire.spec.config import SpecConfig
 from kvwire.spec.ngram import NgramProposer
 from kvwire.spec.proposer import NONE, Proposal, Proposer
 from kvwire.spec.state import num_proposals, row_costs
-from kvwire.spec.verify import verify
+from kvwire.spec.verify import verify_batch
 
 if TYPE_CHECKING:
     from kvwire.engine.request import Request
@@ -52,7 +52,8 @@ def decode_step(runner: ModelRunner, proposers: Proposers, batch: Sequence[Reque
     logits = processed(batch, props, raw)
     if masks is not None:
         logits = constrained(batch, logits, masks)
-    emitted = [verify(rows, p.tokens, p.q, r.params, r.generated) for r, p, rows in zip(batch, props, logits)]
+    emitted = verify_batch(logits, [p.tokens for p in props], [p.q for p in props], [r.params for r in batch],
+                           [r.generated for r in batch])
     for r, tokens in zip(batch, emitted):
         if r.grammar is not None:  # one token: constrained requests propose nothing
             r.grammar.accept(tokens[0])

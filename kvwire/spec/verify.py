@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvwire.sampler import argmax, draw, probabilities, sample, step_generator
+from kvwire.sampler import argmax, draw, probabilities, sample, sample_rows, step_generator
 from kvwire.sampling_params import SamplingParams
 
 _DRAFT_SALT = 0x5EC0_D4AF_7000  # separates the draft's proposal draws from the target's draws
@@ -82,6 +82,18 @@ def verify(target_logits: torch.Tensor, proposed: Sequence[int], q: torch.Tensor
     if params.greedy:
         return accept_greedy(target_logits, proposed)
     return accept_sampled(target_logits, proposed, q, params, first_step)
+
+
+def verify_batch(target_logits: Sequence[torch.Tensor], proposed: Sequence[Sequence[int]],
+                 qs: Sequence[torch.Tensor | None], params: Sequence[SamplingParams],
+                 first_steps: Sequence[int]) -> list[list[int]]:
+    """``verify`` for every request of a step; the requests that proposed nothing draw their one
+    token together (``sample_rows``: one kernel call for the rows at a plain temperature)."""
+    alone = [i for i, p in enumerate(proposed) if not p]
+    drawn = dict(zip(alone, sample_rows([target_logits[i][-1] for i in alone], [params[i] for i in alone],
+                                        [first_steps[i] for i in alone])))
+    return [[drawn[i]] if i in drawn else verify(target_logits[i], proposed[i], qs[i], params[i], first_steps[i])
+            for i in range(len(proposed))]
 
 
 def draft_sample(draft_logits: torch.Tensor, params: SamplingParams, step: int,

@@ -793,6 +793,74 @@ void kvw_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
     }
 }
 
+/* ---- sampling: one token per row from softmax(logits / T) ----------------------------------------
+ * The inverse of the cumulative distribution, as kvwire.sampler.draw, without materializing it:
+ * weights e_i = exp((x_i - max) / T) (one vector polynomial per 16, e^-87 and below count as zero),
+ * summed per block of SAMPLE_BLOCK entries; the draw skips whole blocks while the running sum (in
+ * double) stays at or below u * total and adds the weights one by one, in order, only in the block
+ * where it crosses. A sequential cumulative sum over the vocabulary is a chain of dependent adds:
+ * torch's float64 cumsum of 49,152 entries took 42 us of a sampled row's 116 (docs/decisions/045). */
+#define SAMPLE_BLOCK 256
+
+ALWAYS_INLINE f32x16 load_logits(const float *x, int64_t i, int64_t vocab) {  /* -inf past the vocabulary */
+    if (i + 16 <= vocab) return load_f32(x + i);
+    f32x16 v = splat(-INFINITY);
+    memcpy(&v, x + i, sizeof(float) * (size_t)(vocab - i));
+    return v;
+}
+
+static int64_t sample_row(const float *x, int64_t vocab, float inv_t, double u, double *bsum) {
+    f32x16 mv = splat(-INFINITY);
+    for (int64_t i = 0; i < vocab; i += 16) {
+        const f32x16 v = load_logits(x, i, vocab);
+        mv = vsel(v > mv, v, mv);
+    }
+    const float mx = hmax(mv);
+    if (!(mx > -INFINITY) || !(mx < INFINITY)) return -1;
+    const int64_t nb = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    double total = 0.0;
+    int64_t lastb = 0;  /* the last block of positive weight: always scanned, never skipped */
+    for (int64_t b = 0; b < nb; b++) {
+        f32x16 acc = {0};
+        for (int64_t i = b * SAMPLE_BLOCK; i < (b + 1) * SAMPLE_BLOCK && i < vocab; i += 16)
+            acc += exp_nonpos((load_logits(x, i, vocab) - mx) * inv_t);
+        bsum[b] = hsum(acc);
+        total += bsum[b];
+        lastb = bsum[b] > 0.0 ? b : lastb;
+    }
+    if (!(total > 0.0) || !isfinite(total)) return -1;  /* NaN logits */
+    const double target = u * total;
+    double run = 0.0;
+    int64_t last = -1;  /* the last entry of positive weight seen: where rounding leaves the sum short */
+    for (int64_t b = 0; b <= lastb; b++) {
+        if (b < lastb && run + bsum[b] <= target) { run += bsum[b]; continue; }
+        for (int64_t i = b * SAMPLE_BLOCK; i < (b + 1) * SAMPLE_BLOCK && i < vocab; i += 16) {
+            const f32x16 e = exp_nonpos((load_logits(x, i, vocab) - mx) * inv_t);
+            for (int64_t t = 0; t < 16 && i + t < vocab; t++)
+                if (e[t] > 0.0f) {  /* a zero weight is never drawn */
+                    run += e[t];
+                    last = i + t;
+                    if (run > target) return last;
+                }
+        }
+    }
+    return last;
+}
+
+/* rows[r] [vocab] at temperature temp[r] > 0 with a uniform u[r] in [0, 1) -> out[r]: the first
+ * index whose running weight exceeds u[r] times the total, or -1 where the total is not finite and
+ * positive (NaN or infinite logits). Rows are independent: the same tokens at any thread count. */
+void kvw_sample_rows(const float *const *rows, int64_t n, int64_t vocab, const float *temp, const double *u,
+                     int64_t *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (n > 1)
+    {
+        double *bsum = malloc(sizeof(double) * (size_t)((vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) out[r] = sample_row(rows[r], vocab, 1.0f / temp[r], u[r], bsum);
+        free(bsum);
+    }
+}
+
 /* ---- KV writes: bit-exact with kvwire_kernels/reference.py write_kv -------------------------------- */
 
 /* fp32 -> float8_e4m3fn, round to nearest even (c10's fp8e4m3fn_from_fp32_value). The caller
@@ -1550,4 +1618,4 @@ int64_t kvw_draft_head_chain(const kvw_draft_head_t *H, int64_t S, const float *
     return calls;
 }
 
-int kvw_abi_version(void) { return 11; }
+int kvw_abi_version(void) { return 12; }

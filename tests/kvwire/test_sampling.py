@@ -129,3 +129,56 @@ def test_argmax_is_torchs_choice_first_maximum_included():
     half = rows.to(torch.bfloat16)  # not numpy's: torch decides
     assert argmax(half) == [int(torch.argmax(r)) for r in half]
     assert sample(rows[3], SamplingParams(), 0) == 100
+
+
+needs_kernels = pytest.mark.skipif(not sampler.cpu_kernels.available(), reason="CPU kernels unavailable")
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_kernel_draw_is_the_inverse_cdf_of_the_exact_weights(temperature):
+    # Every draw lands where the float64 cumulative weights exp((x - max) / T) put u * total, within
+    # the float32 rounding of the weights (1e-6 of the total); a vocabulary not a multiple of 16 or 256.
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randn(49159, generator=g) * 4, torch.randn(300, generator=g), torch.full((7,), 2.0)]
+    us = torch.rand(400, dtype=torch.float64, generator=g).tolist() + [0.0, 1.0 - 2 ** -53]
+    for x in rows:
+        w = torch.exp((x.double() - x.double().max()) / temperature)
+        cdf = w.cumsum(0)
+        total = float(cdf[-1])
+        got = sampler.cpu_kernels.sample_rows([x] * len(us), [temperature] * len(us), us)
+        for u, i in zip(us, got):
+            target, tol = u * total, 1e-6 * total
+            assert w[i] > 0
+            assert (float(cdf[i - 1]) if i else 0.0) <= target + tol and float(cdf[i]) > target - tol, (u, i)
+
+
+@needs_kernels
+def test_kernel_never_draws_a_masked_token_and_refuses_nan():
+    # masked entries first and last: u = 0 must not take the first, u just below 1 (its product with
+    # the total can round up to the total) must not take the last
+    x = torch.full((1000,), float("-inf"))
+    x[[3, 500, 990]] = torch.tensor([0.0, 1.0, -2.0])
+    us = [0.0, 1e-12, 0.5, 1.0 - 2 ** -53, 1.0] + torch.rand(200, dtype=torch.float64).tolist()
+    assert set(sampler.cpu_kernels.sample_rows([x] * len(us), [0.7] * len(us), us)) == {3, 500, 990}
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[10] = bad
+        with pytest.raises(ValueError, match="cannot sample"):
+            sample(y, SamplingParams(temperature=1.0, seed=1), 0)
+
+
+@needs_kernels
+def test_sample_rows_equals_sampling_each_row_alone_at_any_thread_count():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 4099, generator=g) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=2), SamplingParams(temperature=1.2, seed=3),
+              SamplingParams(temperature=1.0, top_k=5, seed=4), SamplingParams(temperature=1.0, min_p=0.1, seed=5)] * 2
+    steps = list(range(12))
+    alone = [sample(logits[i], params[i], steps[i]) for i in range(12)]
+    assert sampler.sample_rows(list(logits), params, steps) == alone
+    us = [sampler.uniform(p, s) for p, s in zip(params, steps)]
+    temps = [max(p.temperature, 0.5) for p in params]
+    assert (sampler.cpu_kernels.sample_rows(list(logits), temps, us, threads=1)
+            == sampler.cpu_kernels.sample_rows(list(logits), temps, us, threads=2))
