@@ -136,7 +136,7 @@ def sample_rows(rows: Sequence[torch.Tensor], params: Sequence[SamplingParams], 
         elif plain_temperature(row, p):
             plain.append(i)
         else:
-            out[i] = draw(probabilities(row, p), step_generator(p.seed, steps[i]))
+            out[i] = draw(probabilities(row, p), step_generator(p.seed, step))
     if plain:
         got = cpu_kernels.sample_rows([rows[i] for i in plain], [params[i].temperature for i in plain],
                                       [uniform(params[i], steps[i]) for i in plain])
