@@ -1234,18 +1234,31 @@ ALWAYS_INLINE void prefill_attend_rows(const float *q, int64_t n, int64_t h, int
             for (int r = 0; r < NR; r++) s[r] += qs[r][i] * kv;
         }
         const i32x16 kpos = lane + (int32_t)(k0 + j0);
-        float p[PA_ROWS][16];
+        /* The rows' softmax steps side by side, so the core overlaps their dependent chains (max,
+         * exponentials, sum); per row the same operations as one row at a time. Where the running max
+         * held, the factor is expf(0) = 1 and the rescale is skipped: the same bits. */
+        float p[PA_ROWS][16], nm[PA_ROWS];
+        f32x16 sv[PA_ROWS], e[PA_ROWS];
         for (int r = 0; r < NR; r++) {
             i32x16 ok = kpos <= (int32_t)pos[r];
             if (window > 0) ok &= kpos > (int32_t)(pos[r] - window);
-            const f32x16 sv = vsel(ok, s[r], splat(-INFINITY));
-            const float bm = hmax(sv), nm = bm > mx[r] ? bm : mx[r];
-            if (nm == -INFINITY) { memset(p[r], 0, sizeof(p[r])); continue; }  /* nothing visible yet */
-            const float corr = mx[r] == -INFINITY ? 0.0f : expf(mx[r] - nm);
-            const f32x16 e = exp_nonpos(sv - nm);
-            store_f32(p[r], e);
-            den[r] = den[r] * corr + hsum(e);
-            mx[r] = nm;
+            sv[r] = vsel(ok, s[r], splat(-INFINITY));
+            const float bm = hmax(sv[r]);
+            nm[r] = bm > mx[r] ? bm : mx[r];
+        }
+        for (int r = 0; r < NR; r++) {
+            e[r] = nm[r] == -INFINITY ? (f32x16){0} : exp_nonpos(sv[r] - nm[r]);  /* nothing visible yet: zeros */
+            store_f32(p[r], e[r]);
+        }
+        for (int r = 0; r < NR; r++) {
+            if (nm[r] == -INFINITY) continue;
+            if (nm[r] == mx[r]) {
+                den[r] += hsum(e[r]);
+                continue;
+            }
+            const float corr = mx[r] == -INFINITY ? 0.0f : expf(mx[r] - nm[r]);
+            den[r] = den[r] * corr + hsum(e[r]);
+            mx[r] = nm[r];
             for (int c = 0; c < NV; c++) acc[r][c] *= corr;
         }
         const int64_t tn = m - j0 < 16 ? m - j0 : 16;
