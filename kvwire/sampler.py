@@ -97,14 +97,14 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     total = float(cdf[-1])
     if not math.isfinite(total) or total <= 0.0:
         raise ValueError(f"cannot sample from weights that sum to {total} (NaN, inf or all zero)")
-    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total  # as ``uniform``
+    u = uniform(generator) * total
     i = int(torch.searchsorted(cdf, u, right=True))  # the first index whose cumulative weight exceeds u
     return i if i < cdf.shape[0] else int(torch.searchsorted(cdf, total))  # u rounded up to the total
 
 
-def uniform(params: SamplingParams, step: int) -> float:
-    """The one uniform in [0, 1) that draws generated token ``step`` of a request with ``params``."""
-    return float(torch.rand((), dtype=torch.float64, generator=step_generator(params.seed, step)))
+def uniform(generator: torch.Generator) -> float:
+    """The one float64 uniform in [0, 1) a draw takes (``draw`` and the C kernel alike)."""
+    return float(torch.rand((), dtype=torch.float64, generator=generator))
 
 
 def plain_temperature(logits: torch.Tensor, params: SamplingParams) -> bool:
@@ -139,7 +139,7 @@ def sample_rows(rows: Sequence[torch.Tensor], params: Sequence[SamplingParams], 
             out[i] = draw(probabilities(row, p), step_generator(p.seed, step))
     if plain:
         got = cpu_kernels.sample_rows([rows[i] for i in plain], [params[i].temperature for i in plain],
-                                      [uniform(params[i], steps[i]) for i in plain])
+                                      [uniform(step_generator(params[i].seed, steps[i])) for i in plain])
         for i, token in zip(plain, got):
             out[i] = token
     return out  # type: ignore[return-value]

@@ -178,7 +178,7 @@ def test_sample_rows_equals_sampling_each_row_alone_at_any_thread_count():
     steps = list(range(12))
     alone = [sample(logits[i], params[i], steps[i]) for i in range(12)]
     assert sampler.sample_rows(list(logits), params, steps) == alone
-    us = [sampler.uniform(p, s) for p, s in zip(params, steps)]
+    us = [sampler.uniform(sampler.step_generator(p.seed, s)) for p, s in zip(params, steps)]
     temps = [max(p.temperature, 0.5) for p in params]
     assert (sampler.cpu_kernels.sample_rows(list(logits), temps, us, threads=1)
             == sampler.cpu_kernels.sample_rows(list(logits), temps, us, threads=2))
