@@ -1005,6 +1005,16 @@ ALWAYS_INLINE f32x16 hsum16(const f32x16 *a) {
          + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* Positions a .. b of a sequence with block table tab: their rows in kv head g's pages (K/V element
+ * offset / d) into at[0 .. b - a]; no division per position. */
+static void att_rows(const int32_t *tab, int64_t hkv, int64_t g, int64_t block_size, int64_t a, int64_t b,
+                     int64_t *at) {
+    for (int64_t j = a, pg = a / block_size, off = a % block_size; j <= b; j++) {
+        at[j - a] = ((int64_t)tab[pg] * hkv + g) * block_size + off;
+        if (++off == block_size) { off = 0; pg++; }
+    }
+}
+
 /* An attention task's scratch for nq query vectors, one buffer per thread kept for the thread's life
  * (tasks are many and small: a malloc and free of three buffers each cost more than a chunk's loads). */
 static float *att_scratch(int64_t nq) {
@@ -1019,12 +1029,15 @@ static float *att_scratch(int64_t nq) {
 }
 
 /* One task: rows s0 .. s0 + n - 1 (a group), kv head g, the chunk at absolute position cs. For each
- * of its n * ratio query vectors, writes [max score, denominator, weighted sum (d)] to part. */
+ * of its n * ratio query vectors, writes [max score, denominator, weighted sum (d)] to part.
+ * Memory: requests its own K and V lines up front unless `ahead` (the previous task did), and the
+ * rows nxt[0 .. nn - 1] of the task this thread will likely run next as its loops go (K with the
+ * scores, V with the V rows), so those misses overlap this task's work. */
 ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h, int64_t hkv, const int64_t d,
                                 int64_t g, int64_t cs, const void *k_pages, const void *v_pages,
                                 const uint16_t *k_scale, const uint16_t *v_scale, int64_t block_size,
                                 const int32_t *tab, const int64_t *lo, const int64_t *hi, float sm_scale,
-                                const int fp8, float *part) {
+                                const int fp8, float *part, int ahead, const int64_t *nxt, int64_t nn) {
     const int64_t ratio = h / hkv, nc = d / 16, nq = n * ratio;
     const int64_t jlo = lo[0] > cs ? lo[0] : cs, jhi = hi[n - 1] < cs + ATT_CHUNK - 1 ? hi[n - 1] : cs + ATT_CHUNK - 1;
     int64_t blo[ATT_GROUP], bhi[ATT_GROUP];  /* row i's blocks of 16 in this chunk (empty when blo > bhi) */
@@ -1041,23 +1054,23 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
                 qv[i * ratio + r][c] = load_f32(q + (((s0 + i) * h) + g * ratio + r) * d + c * 16);
                 acc[i * ratio + r][c] = (f32x16){0};
             }
-    int64_t at[ATT_CHUNK];  /* position cs + i's row in the pages (K/V element offset / d), no division per use */
-    for (int64_t j = jlo, pg = jlo / block_size, off = jlo % block_size; j <= jhi; j++) {
-        at[j - cs] = ((int64_t)tab[pg] * hkv + g) * block_size + off;
-        if (++off == block_size) { off = 0; pg++; }
-    }
-    /* Every K and V line of the chunk requested up front: the pages are scattered, so loading them
-     * as the loops reach them waits on one miss after another (docs/decisions/069-decode-attention-prefetch.md). */
+    int64_t at[ATT_CHUNK];  /* position cs + i's row in the pages */
+    att_rows(tab, hkv, g, block_size, jlo, jhi, at + (jlo - cs));
+    /* The pages are scattered, so loading them as the loops reach them waits on one miss after
+     * another (docs/decisions/069-decode-attention-prefetch.md). */
     const int64_t row_bytes = d * (fp8 ? 1 : 2);
-    for (int64_t j = jlo; j <= jhi; j++)
-        for (int64_t o = 0; o < row_bytes; o += 64) {
-            __builtin_prefetch((const char *)k_pages + at[j - cs] * row_bytes + o);
-            __builtin_prefetch((const char *)v_pages + at[j - cs] * row_bytes + o);
-        }
+    if (!ahead)
+        for (int64_t j = jlo; j <= jhi; j++)
+            for (int64_t o = 0; o < row_bytes; o += 64) {
+                __builtin_prefetch((const char *)k_pages + at[j - cs] * row_bytes + o);
+                __builtin_prefetch((const char *)v_pages + at[j - cs] * row_bytes + o);
+            }
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     /* scores, 16 positions at a time */
     for (int64_t b = (jlo - cs) / 16; b <= (jhi - cs) / 16; b++) {
-        const int64_t base = cs + 16 * b;
+        const int64_t base = cs + 16 * b, u0 = 16 * (b - (jlo - cs) / 16);  /* the next task's rows u0 .. u0 + 15 */
+        for (int64_t u = u0; u < nn && u < u0 + 16; u++)
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char *)k_pages + nxt[u] * row_bytes + o);
         f32x16 kb[16][nc], ksv = {0};
         for (int64_t t = 0; t < 16; t++) {
             const int64_t j = base + t;
@@ -1105,9 +1118,15 @@ ALWAYS_INLINE void attend_chunk(const float *q, int64_t s0, int64_t n, int64_t h
     float vsc[ATT_CHUNK];
     for (int64_t j = jlo; j <= jhi; j++) {
         const int64_t idx = at[j - cs];
+        if (j - jlo < nn)
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char *)v_pages + nxt[j - jlo] * row_bytes + o);
         for (int64_t c = 0; c < nc; c++) vb[j - cs][c] = load_kv(v_pages, idx, d, c, fp8);
         vsc[j - cs] = fp8 ? bf16_to_f32(v_scale[idx]) * KV_FP8_UNIT : 1.0f;
     }
+    for (int64_t u = 16 * ((jhi - cs) / 16 - (jlo - cs) / 16 + 1); u < nn; u++)  /* a next task longer than this one */
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char *)k_pages + nxt[u] * row_bytes + o);
+    for (int64_t u = jhi - jlo + 1; u < nn; u++)
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char *)v_pages + nxt[u] * row_bytes + o);
     for (int64_t i = 0; i < n; i++) {
         const int64_t a = lo[i] > jlo ? lo[i] : jlo, b = hi[i] < jhi ? hi[i] : jhi;
         for (int64_t r = 0; r < ratio; r++) {
@@ -1154,18 +1173,34 @@ void kvw_paged_attention(const float *q, int64_t S, int64_t h, int64_t hkv, int6
             toff[t + 1] = toff[t] + (starts[gi + 1] - starts[gi]) * ratio * slot;
         }
     float *part = malloc(sizeof(float) * (toff[nt] > 0 ? toff[nt] : 1));
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+#pragma omp parallel num_threads(nthreads)
+    {
+    /* With one task at a time handed out in order, a thread's next task is most likely t + nthreads:
+     * its K/V lines are requested during task t (a wrong guess costs only the requests). */
+    int64_t ahead = -1, nxt[ATT_CHUNK];
+#pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < nt; t++) {
         const int64_t gi = tgroup[t], s0 = starts[gi], k = t - task0[gi];
         const int64_t n = starts[gi + 1] - s0, g = k % hkv, cs = (lo[s0] / ATT_CHUNK + k / hkv) * ATT_CHUNK;
         const int32_t *tab = tables + s0 * max_blocks;
+        const int got = ahead == t;
+        int64_t nn = 0;
+        ahead = t + nthreads < nt ? t + nthreads : -1;
+        if (ahead >= 0) {
+            const int64_t gu = tgroup[ahead], su = starts[gu], ku = ahead - task0[gu];
+            const int64_t cu = (lo[su] / ATT_CHUNK + ku / hkv) * ATT_CHUNK, hu = hi[starts[gu + 1] - 1];
+            const int64_t a = lo[su] > cu ? lo[su] : cu, b = hu < cu + ATT_CHUNK - 1 ? hu : cu + ATT_CHUNK - 1;
+            att_rows(tables + su * max_blocks, hkv, ku % hkv, block_size, a, b, nxt);
+            nn = b - a + 1;
+        }
         /* head dims 64 and 128 with FP8 pages get their own copies, unrolled with the vectors in registers */
 #define ATTEND(D, FP8) attend_chunk(q, s0, n, h, hkv, D, g, cs, k_pages, v_pages, k_scale, v_scale, block_size, \
-                                    tab, lo + s0, hi + s0, sm_scale, FP8, part + toff[t])
+                                    tab, lo + s0, hi + s0, sm_scale, FP8, part + toff[t], got, nxt, nn)
         if (d == 64 && fp8) ATTEND(64, 1);
         else if (d == 128 && fp8) ATTEND(128, 1);
         else ATTEND(d, fp8);
 #undef ATTEND
+    }
     }
     /* merge each (row, head)'s chunks in order */
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (S * h >= 64)
