@@ -15,6 +15,7 @@ core while a co-located prefill is idle; decode counts as busy while a call runs
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,12 @@ from kvwire.spec.state import report
 from kvwire.threads import use_threads
 
 tracer = trace.get_tracer("kvwire.engine")
+
+# How long the event loop waits, blocked, for the runner's thread to start a step it was handed.
+# Waiting releases the GIL, which the runner's thread needs to begin; otherwise it waited for the
+# loop's next pause (streaming, bookkeeping), about 4 ms between steps at 32 streams
+# (docs/decisions/071-hand-the-gil-to-the-step.md).
+STEP_HANDOVER_S = 0.001
 
 
 class CoreLender(Protocol):
@@ -104,15 +111,34 @@ class AsyncEngine:
     async def run(self, fn, *args):
         """Run ``fn(*args)`` on the runner's thread, after everything already queued there (lent
         cores: on as many threads as a co-located prefill leaves it, decided when it starts)."""
+        return await self._submit(fn, *args)
+
+    def _submit(self, fn, *args) -> asyncio.Future:
+        """``run``, queued now: the future resolves to ``fn(*args)``."""
         loop = asyncio.get_running_loop()
         if self.cores is None:
-            return await loop.run_in_executor(self.executor, fn, *args)
+            return loop.run_in_executor(self.executor, fn, *args)
         self._inflight += 1
-        try:
-            return await loop.run_in_executor(self.executor, self._lent, fn, args)
-        finally:
-            self._inflight -= 1
-            self._idle_if_nothing_to_compute()
+        future = loop.run_in_executor(self.executor, self._lent, fn, args)
+        future.add_done_callback(self._call_done)
+        return future
+
+    def _call_done(self, _future: asyncio.Future) -> None:
+        self._inflight -= 1
+        self._idle_if_nothing_to_compute()
+
+    def _step(self, plan) -> asyncio.Future:
+        """Queue ``plan``'s step on the runner's thread and give that thread the GIL to start it
+        (waiting at most STEP_HANDOVER_S, if earlier calls are still queued there)."""
+        started = threading.Event()
+
+        def execute():
+            started.set()
+            return self.core.execute(plan)
+
+        future = self._submit(execute)
+        started.wait(STEP_HANDOVER_S)
+        return future
 
     def _lent(self, fn, args: tuple):
         use_threads(self.cores.busy())
@@ -215,7 +241,7 @@ class AsyncEngine:
                 await self._work.wait()
                 continue
             try:
-                result = await self.run(self.core.execute, plan)
+                result = await self._step(plan)
             except Exception as e:  # noqa: BLE001 - the requests in the step fail, the loop goes on
                 self._fail(plan, e)
                 continue
