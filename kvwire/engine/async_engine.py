@@ -118,8 +118,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self.cores is None:
             return loop.run_in_executor(self.executor, fn, *args)
-        self._inflight += 1
         future = loop.run_in_executor(self.executor, self._lent, fn, args)
+        self._inflight += 1  # counted once queued (no await between: nothing reads it before)
         future.add_done_callback(self._call_done)
         return future
 
