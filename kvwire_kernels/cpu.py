@@ -39,7 +39,7 @@ LEVELS = {"x86-64-v4-vnni-bf16-amx": _BF16 + ("amx_tile", "amx_int8"), "x86-64-v
 MARCH = {"x86-64-v4-vnni-bf16-amx": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"],
          "x86-64-v4-vnni-bf16": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],  # where not -march=LEVEL
          "x86-64-v4-vnni": ["-march=x86-64-v4", "-mavx512vnni"]}
-ABI_VERSION = 12
+ABI_VERSION = 13
 MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 8
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -61,7 +61,7 @@ SIGNATURES = {
     "kvw_decode_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, P, I64, P, P, P, P, P, I64, I64,
                           I64, I32, F32, I32],
     "kvw_prefill_layers": [P, I64, P, I64, I64, I64, I64, I64, I64, F32, P, P, P, I64, P, P, P, P, I64, P, P, P, P,
-                           I64, I64, I64, I32, F32, I32, P],
+                           I64, I64, I64, I32, F32, I32, P, I64, P, I64, P],
     "kvw_gemm_q4_0": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_gemm_q4_1": [P, I64, I64, P, I64, P, P, P, P, I32],
     "kvw_gemm_q8_0": [P, I64, I64, P, I64, P, P, P, P, I32],

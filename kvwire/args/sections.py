@@ -16,7 +16,7 @@ DEFAULT_DRAIN_DELAY_S = 5.0  # long enough for a Kubernetes endpoint update to r
 # Mirrors of defaults owned by torch-importing or service modules (tests/kvwire/test_args.py keeps them equal).
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0  # decode_svc.remote_prefill
 SPEC_NGRAM_MAX, SPEC_GREEDY_MAX_BATCH = 16, 2  # kvwire.spec.SpecConfig
-MAX_NUM_BATCHED_TOKENS, PREFILL_CHUNK = 512, 256  # kvwire.engine.scheduler.SchedulerConfig
+MAX_NUM_BATCHED_TOKENS, PREFILL_CHUNK, MAX_PREFILL_STALL = 512, 256, 0.0  # kvwire.engine.scheduler.SchedulerConfig
 ROUTING_LOAD_FACTOR = 1.25  # tokenizer_svc.routing.RoutingConfig
 FRONT_DOOR_MESSAGE_BYTES, MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, TOKENIZE_WORKERS = 2 << 20, 1 << 20, 131_072, 2
 
@@ -111,8 +111,15 @@ class SchedulerArgs(Section):
     max_num_batched_tokens: int = arg(MAX_NUM_BATCHED_TOKENS, "tokens one step feeds at most: every decoding "
                                       "request's rows, then prompt chunks (the oldest prompt's always; younger ones' "
                                       "while they fit). docs/decisions/060-chunked-prefill.md")
-    prefill_chunk_size: int = arg(PREFILL_CHUNK, "tokens of one prompt computed per step, cut at fixed places so a "
-                                  "prompt's KV does not depend on the load")
+    prefill_chunk_size: int = arg(PREFILL_CHUNK, "the unit a prompt is cut into, at fixed places so its KV does not "
+                                  "depend on the load; a step takes as many of a prompt's chunks as its budgets allow. "
+                                  "docs/decisions/072-prefill-stall-budget.md")
+    max_prefill_stall: float = arg(MAX_PREFILL_STALL, "while requests decode, the prompt chunks a step adds take at most "
+                                   "this multiple of such a step's time (measured here), or a quarter of the prompt "
+                                   "tokens waiting if that is more, so a new prompt delays the running streams' next "
+                                   "tokens by a bounded factor: lower ITL p99 at some cost in throughput and TTFT (use "
+                                   "it with --prefill-chunk-size 32 to 64); 0: off, only --max-num-batched-tokens "
+                                   "limits them. docs/decisions/072-prefill-stall-budget.md")
     chunked_prefill: bool = arg(True, "prefill prompts here in chunks, mixed with decode steps; off: each prompt in "
                                 "one forward")
 
@@ -122,6 +129,7 @@ class SchedulerArgs(Section):
         _check(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1, got "
                f"{self.max_num_batched_tokens}")
         _check(self.prefill_chunk_size >= 1, f"--prefill-chunk-size must be at least 1, got {self.prefill_chunk_size}")
+        _check(self.max_prefill_stall >= 0, f"--max-prefill-stall must not be negative, got {self.max_prefill_stall}")
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ def scheduler_config(args: EngineArgs) -> SchedulerConfig:
     s = args.scheduler
     return SchedulerConfig(total_pages=args.cache.num_pages, max_running=s.max_running, max_waiting=s.max_waiting,
                            max_num_batched_tokens=s.max_num_batched_tokens,
-                           prefill_chunk=s.prefill_chunk_size if s.chunked_prefill else None)
+                           prefill_chunk=s.prefill_chunk_size if s.chunked_prefill else None,
+                           max_prefill_stall=s.max_prefill_stall or None)
 
 
 def spec_config(s: SpeculativeArgs) -> SpecConfig:

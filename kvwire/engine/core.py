@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from kvwire.engine.choices import sample_choices
 from kvwire.engine.request import Request, RequestOutput, RequestStatus
 from kvwire.engine.runner import ModelRunner
@@ -43,14 +45,24 @@ class EngineCore:
         self.runner, self.spec_cfg, self.draft, self.grammars = runner, spec_cfg, draft, grammars
         self.proposers = Proposers(draft=draft)
         cache = runner.cache
-        self.scheduler = Scheduler(scheduler_cfg or SchedulerConfig(total_pages=cache.pool.num_pages),
-                                   cache.tables.max_pages)
+        scheduler_cfg = scheduler_cfg or SchedulerConfig(total_pages=cache.pool.num_pages)
+        self.scheduler = Scheduler(scheduler_cfg, cache.tables.max_pages,
+                                   self._prompt_budget if scheduler_cfg.max_prefill_stall else None)
         self.eos_ids = frozenset(eos_ids)
         cfg = runner.runtime.model_config
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.total_steps = 0
+
+    def _prompt_budget(self, batch: int) -> int | None:
+        """Prompt tokens a step beside ``batch`` decoding requests may compute: ``max_prefill_stall``
+        times such a step's time, at the measured seconds per prompt token (None until both are measured)."""
+        cost = self.runner.step_cost
+        step, token = cost.step(batch), cost.prefill_token()
+        if step is None or token is None:
+            return None
+        return int(self.scheduler.cfg.max_prefill_stall * step / token)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     kv_source: KVSourceChoice = KVSourceChoice.AUTO) -> Request:
@@ -137,31 +149,47 @@ class EngineCore:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """One step (call on the runner's thread): free the preempted requests' pages, feed the
-        replays, one decode step over ``plan.decode``, one forward over ``plan.chunks``."""
+        replays, then one decode step over ``plan.decode`` with ``plan.chunks`` in the same forward
+        where the kernels' rows are independent (else, or with prompt logprobs, a forward of their own)."""
         for req in plan.preempted:
             self.runner.free(req.seq)
         if plan.replays:
             self.runner.replay([(c.req.seq, c.tokens[c.start:c.end], c.end == len(c.tokens) - 1)
                                 for c in plan.replays])
-        decode = decode_step(self.runner, self.proposers, plan.decode, self.spec_cfg) if plan.decode else []
-        return StepResult(decode, self._prefill(plan.chunks) if plan.chunks else [])
+        spans = self._spans(plan.chunks)
+        run = [i for i, (a, b) in enumerate(spans) if b > a]  # a chunk the prefix covered computes nothing
+        items = [(plan.chunks[i].req.seq, plan.chunks[i].tokens[spans[i][0]:spans[i][1]],
+                  spans[i][1] == len(plan.chunks[i].tokens)) for i in run]
+        full = [j for j, i in enumerate(run) if plan.chunks[i].req.wants_prompt_logprobs]
+        ride = bool(plan.decode and items and not full and self.runner.rows_independent)
+        decode = decode_step(self.runner, self.proposers, plan.decode, self.spec_cfg,
+                             items if ride else ()) if plan.decode else []
+        computed = self.runner.chunk_logits if ride else self.runner.prefill_chunks(items, full) if items else []
+        logits: list[torch.Tensor | None] = [None] * len(plan.chunks)
+        for i, row in zip(run, computed):
+            logits[i] = row
+        return StepResult(decode, self._prompts_done(plan.chunks, spans, logits, [run[j] for j in full]))
 
-    def _prefill(self, chunks: tuple[Chunk, ...]) -> list[tuple[int, int | None]]:
-        """The chunks' forward; a prompt's first chunk first attaches its longest cached prefix
-        (then the chunk starts after it: the same number of tokens, further on, so later chunks are
-        cut at the same places after a given prefix)."""
-        spans = []
+    def _spans(self, chunks: tuple[Chunk, ...]) -> list[tuple[int, int]]:
+        """Each chunk's [start, end) in its tokens: a prompt's first chunk first attaches its longest
+        cached prefix, then the chunk starts after it (the same number of tokens, further on, so later
+        chunks are cut at the same places after a given prefix), and the prompt's later chunks of this
+        step move as far."""
+        spans, shift = [], {}  # shift: request -> the prefix its first chunk attached in this step
         for c in chunks:
-            start, end = c.start, c.end
-            if start == 0:
+            if c.start == 0:
                 cached = 0 if c.req.wants_prompt_logprobs else self.runner.reuse_prefix(c.req.seq, c.tokens)
                 if not c.req.resuming:
                     c.req.cached_tokens = cached
-                start, end = cached, min(len(c.tokens), cached + end)
-            spans.append((start, end))
-        full = [i for i, c in enumerate(chunks) if c.req.wants_prompt_logprobs]
-        logits = self.runner.prefill_chunks([(c.req.seq, c.tokens[a:b], b == len(c.tokens))
-                                             for c, (a, b) in zip(chunks, spans)], full)
+                shift[c.req.request_id] = cached
+            s = shift.get(c.req.request_id, 0)
+            spans.append((min(len(c.tokens), c.start + s), min(len(c.tokens), c.end + s)))
+        return spans
+
+    def _prompts_done(self, chunks: tuple[Chunk, ...], spans: list[tuple[int, int]],
+                      logits: list[torch.Tensor | None], full: list[int]) -> list[tuple[int, int | None]]:
+        """Per chunk: (its end, the first token where it completed its prompt): a completed prompt's
+        full pages become reusable, chunks in ``full`` give their prompt logprobs."""
         out = []
         for i, (c, (start, end), row) in enumerate(zip(chunks, spans, logits)):
             if i in full:  # rows [len, vocab]: row r scores token r + 1; the prompt's last row samples token 0

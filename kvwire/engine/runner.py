@@ -49,7 +49,8 @@ class ModelRunner:
         self.attached: list[Attachment] = []
         # seq -> (its length before, tokens fed) in the last multi-token step: what ``keep`` rolls back
         self._starts: dict[int, tuple[int, int]] = {}
-        self.step_cost = StepCost()  # what a verification row costs here, from ``step``'s timings
+        self.step_cost = StepCost()  # what a step and a prompt token cost here, from this runner's timings
+        self.chunk_logits: list[torch.Tensor | None] = []  # the last ``step``'s chunks' results
 
     @functools.cached_property
     def rows_independent(self) -> bool:
@@ -87,8 +88,9 @@ class ModelRunner:
     def prefill_chunks(self, chunks: Sequence[tuple[int, list[int], bool]],
                        full: Collection[int] = ()) -> list[torch.Tensor | None]:
         """One forward over prompt chunks ``(seq, tokens, last)``: each sequence's tokens follow what
-        it already holds (earlier chunks, a reused prefix), attending over those pages and causally
-        over themselves (``PagedKVCache.prepare(prefill=True)``); one forward for all where the
+        it already holds (earlier chunks, a reused prefix, or its chunks before this one in the list),
+        attending over those pages and causally over themselves (``PagedKVCache.prepare(prefill=True)``:
+        the same bits as one forward per chunk); one forward for all where the
         kernels are row-independent, else one each. Returns, per chunk, the logits
         [vocab] of its last token where ``last`` (the prompt is complete: attachments are told),
         else None; for the chunks whose index is in ``full`` (a prompt's logprobs), every row's
@@ -96,6 +98,7 @@ class ModelRunner:
         if len(chunks) > 1 and not self.rows_independent:
             return [out for i, chunk in enumerate(chunks)
                     for out in self.prefill_chunks([chunk], (0,) if i in full else ())]
+        t0 = time.perf_counter()
         counts = [len(tokens) for _, tokens, _ in chunks]
         positions = self.cache.prepare([seq for seq, _, _ in chunks], counts, prefill=True)
         ends = (torch.tensor(counts).cumsum(0) - 1).tolist()
@@ -108,6 +111,7 @@ class ModelRunner:
         logits = self.runtime.model(torch.tensor([t for _, tokens, _ in chunks for t in tokens]), positions,
                                     self.cache, logits_rows=torch.tensor(picked, dtype=torch.int64))
         # logits: [len(picked), vocab]
+        self.step_cost.add_prefill(sum(counts), time.perf_counter() - t0)
         out: list[torch.Tensor | None] = [None] * len(chunks)
         for i, (first, n) in enumerate(spans):
             if not n:
@@ -142,27 +146,56 @@ class ModelRunner:
             ks[idx] = chunk.k_scale
             vs[idx] = chunk.v_scale
 
-    def step(self, seqs: list[int], tokens: list[list[int]]) -> list[torch.Tensor]:
+    def step(self, seqs: list[int], tokens: list[list[int]],
+             chunks: Sequence[tuple[int, list[int], bool]] = ()) -> list[torch.Tensor]:
         """Feed ``tokens[i]`` to ``seqs[i]``; returns each one's logits [n_i, vocab].
 
         One token each is a plain decode step. With more (speculative verification) it is still
         one ``prepare`` and one forward: the paged cache (append-only pages) writes every new
         token, then attends each over the pages up to its own position in the same kernel call
         plain decoding makes, so its logits equal one-token-at-a-time decoding's. Call ``keep``
-        afterwards to drop rejected tokens."""
+        afterwards to drop rejected tokens.
+
+        ``chunks``: prompt chunks ``(seq, tokens, last)`` computed in the same forward, after the
+        decode rows (only where ``rows_independent``: then every row gets the bits a step of its own
+        kind gives it); their results, as ``prefill_chunks`` returns them, are in ``chunk_logits``."""
         t0 = time.perf_counter()
         counts = [len(ts) for ts in tokens]
         starts = [self.cache.length(s) if s in self.cache.tables else 0 for s in seqs]
-        positions = self.cache.prepare(seqs, counts)
-        logits = self.runtime.model(torch.tensor([t for ts in tokens for t in ts]), positions,
-                                    self.cache)  # [num_tokens, vocab]
-        self.step_cost.add(len(seqs), sum(counts), time.perf_counter() - t0)
+        if chunks:
+            if not self.rows_independent:
+                raise ValueError("prompt chunks ride along a decode step only on row-independent kernels")
+            sizes = [len(ch) for _, ch, _ in chunks]
+            positions = self.cache.prepare([*seqs, *(seq for seq, _, _ in chunks)], [*counts, *sizes],
+                                           prefill=[False] * len(seqs) + [True] * len(chunks))
+            rows = sum(counts)
+            ends = (rows + torch.tensor(sizes).cumsum(0) - 1).tolist()
+            picked = list(range(rows)) + [end for (_, _, last), end in zip(chunks, ends) if last]
+            logits = self.runtime.model(torch.tensor([t for ts in tokens for t in ts] + [t for _, ch, _ in chunks
+                                                                                          for t in ch]),
+                                        positions, self.cache, logits_rows=torch.tensor(picked, dtype=torch.int64))
+            took, plain = time.perf_counter() - t0, self.step_cost.step(len(seqs))
+            if plain is not None and took > plain:  # the chunks' share: the time beyond such a decode step
+                self.step_cost.add_prefill(sum(sizes), took - plain)
+        else:
+            positions = self.cache.prepare(seqs, counts)
+            logits = self.runtime.model(torch.tensor([t for ts in tokens for t in ts]), positions,
+                                        self.cache)  # [num_tokens, vocab]
+            self.step_cost.add(len(seqs), sum(counts), time.perf_counter() - t0)
+            rows = logits.shape[0]
         self._starts = {s: (start, n) for s, start, n in zip(seqs, starts, counts) if n > 1}
-        if self.attached:
-            hidden = self.runtime.model.last_hidden.split(counts)
-            for a in self.attached:
-                a.stepped(seqs, hidden)
-        return list(logits.split(counts))
+        hidden = self.runtime.model.last_hidden if self.attached else None  # [len(picked), hidden]
+        for a in self.attached:
+            a.stepped(seqs, hidden[:rows].split(counts))
+        self.chunk_logits = []
+        j = rows
+        for seq, _, last in chunks:
+            self.chunk_logits.append(logits[j] if last else None)
+            if last:
+                for a in self.attached:
+                    a.prefilled(seq, hidden[j])
+                j += 1
+        return list(logits[:rows].split(counts))
 
     def replay(self, items: Sequence[tuple[int, list[int], bool]]) -> None:
         """Feed again ``(seq, tokens, last)``, tokens a preempted sequence had decoded (at most

@@ -24,11 +24,16 @@ whose KV a remote source is importing are never preempted. Admission is FIFO wit
 could never fit the pool alone, or one arriving when ``max_waiting`` requests already wait.
 
 Chunked prefill: a prompt computed here goes in chunks of ``prefill_chunk`` tokens, cut at fixed
-places (multiples of the chunk size after any reused prefix), never where the load happens to
-leave room: a prompt's KV and first token depend on the prompt alone, not on what ran beside it.
-A step carries every decoding request's rows (one each, plus their speculative lookahead), then
-the next chunk of the oldest prompt being prefilled, then the next chunks of younger ones while
-the step stays within ``max_num_batched_tokens``.
+places (multiples of the chunk size after any reused prefix). A step carries every decoding
+request's rows (one each, plus their speculative lookahead), then the next chunks of the oldest
+prompt being prefilled, then those of younger ones, in order, while the step stays within
+``max_num_batched_tokens`` and, while requests decode, within the prompt tokens ``prompt_budget``
+gives for their number (the engine prices them from measured step times, so a prompt delays the
+running streams by a bounded factor) or a quarter of the prompt tokens still to compute, whichever
+is more (so a backlog is worked off); the oldest prompt's next chunk always goes. The cuts are fixed
+and several chunks of a prompt in one step give the bits of a step each (``PagedKVCache``), so a
+prompt's KV and first token depend on the prompt alone, not on how its chunks were grouped into
+steps or what ran beside them.
 """
 from __future__ import annotations
 
@@ -42,6 +47,12 @@ from kvwire.kv.tuned import MAX_PAGED_QUERIES
 
 # (prompt_len, total_len, lookahead) -> pages: BlockTables.max_pages of the engine's cache.
 MaxPages = Callable[[int, int, int], int]
+# decoding requests in the step -> prompt tokens the step may add beside them (None: no limit but the token budget)
+PromptBudget = Callable[[int], int | None]
+# A step may always take 1 / BACKLOG_STEPS of the prompt tokens still to compute, whatever the time
+# budget says: when prompts arrive faster than the budget computes them, the steps grow with the
+# backlog instead of the queue growing without end (a burst is worked off in a few steps).
+BACKLOG_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,10 @@ class SchedulerConfig:
     max_running: int = 16  # requests admitted (prefilling + running) at once
     max_waiting: int = 1024  # queued requests before new ones are refused
     max_num_batched_tokens: int = 512  # tokens fed per step (decode rows + prompt chunks), beyond the first chunk
-    prefill_chunk: int | None = 256  # tokens of one prompt per step (None: whole prompts)
+    prefill_chunk: int | None = 256  # the unit prompts are cut in (None: whole prompts)
+    # while requests decode, a step's prompt chunks take at most this multiple of their step's time
+    # (the engine's PromptBudget; None: only max_num_batched_tokens limits them)
+    max_prefill_stall: float | None = None
 
 
 @dataclass(frozen=True)
@@ -75,8 +89,8 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, max_pages: MaxPages):
-        self.cfg, self.max_pages = cfg, max_pages
+    def __init__(self, cfg: SchedulerConfig, max_pages: MaxPages, prompt_budget: PromptBudget | None = None):
+        self.cfg, self.max_pages, self.prompt_budget = cfg, max_pages, prompt_budget
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # admitted: PREFILLING or RUNNING, in admission order
         self.reserved = 0
@@ -161,21 +175,32 @@ class Scheduler:
         """Prompt chunks and replays, oldest request first, while the budget lasts (the first always)."""
         size = self.cfg.prefill_chunk
         left = self.cfg.max_num_batched_tokens - sum(1 + self.lookahead(r) for r in decode)
+        budget = self.prompt_budget(len(decode)) if decode and self.prompt_budget is not None else None
+        if budget is not None:
+            backlog = sum(len(r.prefill_tokens) - r.computed for r in self.running.values()
+                          if r.status is RequestStatus.PREFILLING and r.prefill_tokens is not None)
+            left = min(left, max(budget, -(-backlog // BACKLOG_STEPS)))
         chunks, replays = [], []
         for req in self.running.values():
             if req.status is not RequestStatus.PREFILLING:
                 continue
-            if req.prefill_tokens is not None:
+            if req.prefill_tokens is not None:  # its next chunks, in order, while they fit
                 tokens, start = req.prefill_tokens, req.computed
-                end = len(tokens) if size is None else min(len(tokens), start + size)
-            elif req.replay_from is not None:
-                tokens, start = req.context, req.replay_from
-                end = min(len(tokens) - 1, start + MAX_PAGED_QUERIES)
-            else:
+                while start < len(tokens):
+                    end = len(tokens) if size is None else min(len(tokens), start + size)
+                    if (chunks or replays) and end - start > left:
+                        return tuple(chunks), tuple(replays)
+                    chunks.append(Chunk(req, tokens, start, end))
+                    left -= end - start
+                    start = end
                 continue
+            if req.replay_from is None:
+                continue
+            tokens, start = req.context, req.replay_from
+            end = min(len(tokens) - 1, start + MAX_PAGED_QUERIES)
             if (chunks or replays) and end - start > left:
                 break
-            (chunks if tokens is req.prefill_tokens else replays).append(Chunk(req, tokens, start, end))
+            replays.append(Chunk(req, tokens, start, end))
             left -= end - start
         return tuple(chunks), tuple(replays)
 

@@ -6,6 +6,9 @@ processed in tiles: a fifth row may cost more than the second to fourth together
 the context, so rather than a constant it is measured: a running mean of the step time per
 (batch size b, rows fed). A plain step of b requests feeds b rows; a request's share of it is
 1/b, so i extra rows of one request cost (t(b, b + i) / t(b, b) - 1) * b of its plain steps.
+
+The scheduler prices prompt chunks the same way: the mean time of a step of b requests (whatever
+its rows) and the mean seconds per prompt token of the forwards that computed chunks.
 """
 from __future__ import annotations
 
@@ -17,17 +20,40 @@ class StepCost:
     weight: float = 0.1  # of the newest step in a running mean (about the last 1/weight steps)
     min_steps: int = 4  # steps of a (batch, rows) pair before its mean is trusted
     _means: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)  # -> (seconds, steps)
+    _batches: dict[int, tuple[float, int]] = field(default_factory=dict)  # batch -> (seconds, steps), any rows
+    _prefill: dict[int, tuple[float, int]] = field(default_factory=dict)  # 0 -> (seconds per prompt token, forwards)
 
-    def add(self, batch: int, rows: int, seconds: float) -> None:
-        """One step of ``batch`` sequences that fed ``rows`` tokens in all, taking ``seconds``."""
-        mean, n = self._means.get((batch, rows), (0.0, 0))
+    def _update(self, means: dict, key, seconds: float) -> None:
+        mean, n = means.get(key, (0.0, 0))
         if n >= self.min_steps:  # a step slowed by another process must not move the mean far
             seconds = min(seconds, 2.0 * mean)
         n += 1
-        self._means[batch, rows] = (mean + max(self.weight, 1.0 / n) * (seconds - mean), n)
+        means[key] = (mean + max(self.weight, 1.0 / n) * (seconds - mean), n)
+
+    def add(self, batch: int, rows: int, seconds: float) -> None:
+        """One step of ``batch`` sequences that fed ``rows`` tokens in all, taking ``seconds``."""
+        self._update(self._means, (batch, rows), seconds)
+        self._update(self._batches, batch, seconds)
+
+    def add_prefill(self, tokens: int, seconds: float) -> None:
+        """One forward over prompt chunks of ``tokens`` tokens in all, taking ``seconds``."""
+        if tokens > 0:
+            self._update(self._prefill, 0, seconds / tokens)
 
     def _mean(self, batch: int, rows: int) -> float | None:
         mean, n = self._means.get((batch, rows), (0.0, 0))
+        return mean if n >= self.min_steps and mean > 0 else None
+
+    def step(self, batch: int) -> float | None:
+        """Seconds of a step of ``batch`` requests (any rows), from the nearest batch size measured."""
+        known = [b for b, (mean, n) in self._batches.items() if n >= self.min_steps and mean > 0]
+        if not known:
+            return None
+        return self._batches[min(known, key=lambda b: (abs(b - batch), b))][0]
+
+    def prefill_token(self) -> float | None:
+        """Seconds per prompt token of the forwards that computed chunks, once measured."""
+        mean, n = self._prefill.get(0, (0.0, 0))
         return mean if n >= self.min_steps and mean > 0 else None
 
     def plain(self, batch: int) -> float | None:

@@ -1,14 +1,16 @@
 """The paged KV cache: FP8 (or bf16) pages from a PagePool in ``KVPageSpec``'s layout (copied to the wire as is).
 
-Called as ``DenseKVCache`` (``prepare`` per step, ``attend`` per layer). Pages are append-only, so per
-sequence a step is: a fresh prompt (causal attention over its full-precision K/V, also written to
-pages); up to ``MAX_PAGED_QUERIES`` tokens after context (written first, then each attends over the
-pages up to its own position, so verifying k + 1 tokens gives plain decoding's logits and rejection
-is ``truncate``); or more, or any prompt chunk (``prepare(..., prefill=True)``): the context's pages
-dequantized once and the new tokens' own full-precision K/V, causal attention (the CPU flash kernel
-or masked sdpa) -- a prompt computed in chunks sees its earlier chunks as decoding will, and itself
-as an unchunked prompt does. Truncated slots and new pages are
-zeroed, so a page's bytes depend on its sequence's tokens alone (reproducible wire checksums).
+Called as ``DenseKVCache`` (``prepare`` per step, ``attend`` per layer). Pages are append-only, and a
+step's K/V are written to them before anything attends, so per sequence a step is: a fresh prompt
+(causal attention over its full-precision K/V); up to ``MAX_PAGED_QUERIES`` tokens after context
+(each attends over the pages up to its own position, so verifying k + 1 tokens gives plain
+decoding's logits and rejection is ``truncate``); or more, or any prompt chunk (``prepare(...,
+prefill=...)``): the context's pages dequantized once and the new tokens' own full-precision K/V,
+causal attention (the CPU flash kernel or masked sdpa) -- a prompt computed in chunks sees its
+earlier chunks as decoding will, and itself as an unchunked prompt does. A sequence may have several
+chunks in one step: each starts where the one before ends and reads it from the pages, as in a step
+of its own. Truncated slots and new pages are zeroed, so a page's bytes depend on its sequence's
+tokens alone (reproducible wire checksums).
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ class PagedKVCache:
         self.tables = BlockTables(self.pool, spec.block_size, window)
         self.sm_scale = cfg.head_dim ** -0.5
         self._step: list[tuple[int, int, int]] = []  # (seq_id, start, num_new)
-        self._prefill = False
+        self._chunk: list[bool] = []  # per entry of _step: a prompt chunk
+        self._prefill = False  # any entry is
 
     # ---- sequences and pages ------------------------------------------------------------------
 
@@ -136,19 +139,28 @@ class PagedKVCache:
 
     # ---- one forward step ---------------------------------------------------------------------
 
-    def prepare(self, seq_ids: Sequence[int], num_new: Sequence[int], prefill: bool = False) -> torch.Tensor:
+    def prepare(self, seq_ids: Sequence[int], num_new: Sequence[int], prefill: bool | Sequence[bool] = False
+                ) -> torch.Tensor:
         """Declare the next step (``num_new[i]`` tokens for ``seq_ids[i]``, in that order) and
-        allocate its pages; unknown ids are added. ``prefill``: the tokens are prompt chunks (never
-        kernel rows over the pages, whatever their number). Returns positions, [sum(num_new)] int64.
+        allocate its pages; unknown ids are added. ``prefill`` (all entries, or per entry): the tokens
+        are prompt chunks (never kernel rows over the pages, whatever their number); a mixed step
+        puts its decode entries first. Returns positions, [sum(num_new)] int64.
         Raises OutOfPages, changing nothing, when the pages do not fit."""
+        chunk = [prefill] * len(seq_ids) if isinstance(prefill, bool) else list(prefill)
         added = [s for s in dict.fromkeys(seq_ids) if s not in self.tables]
         for s in added:
             self.tables.add(s)
         for s in seq_ids:
             self.tables.release_outside_window(s)  # before allocating: they are reusable now
-        starts = [self.tables.length(s) for s in seq_ids]
+        # A sequence may appear more than once (consecutive prompt chunks in one step): each entry
+        # starts where the one before it ends, and the table grows once by their sum.
+        totals = {s: 0 for s in seq_ids}
+        starts = []
+        for s, n in zip(seq_ids, num_new):
+            starts.append(self.tables.length(s) + totals[s])
+            totals[s] += n
         try:
-            self._zero_pages(self.tables.append(list(zip(seq_ids, num_new))))
+            self._zero_pages(self.tables.append(list(totals.items())))
         except OutOfPages:
             for s in added:
                 self.tables.free(s)
@@ -164,15 +176,16 @@ class PagedKVCache:
         # Rows of q that attend over pages: every new token of a sequence that has context,
         # each as its own kernel row (its sequence's block table, context up to itself).
         rows, tabs, ctx, row = [], [], [], 0
-        for s, start, n in self._step:
-            if start > 0 and n <= MAX_PAGED_QUERIES and not prefill:
+        for (s, start, n), is_chunk in zip(self._step, chunk):
+            if start > 0 and n <= MAX_PAGED_QUERIES and not is_chunk:
                 table = self.tables.table(s)
                 rows.extend(range(row, row + n))
                 tabs.extend([table] * n)
                 ctx.extend(range(start + 1, start + n + 1))
             row += n
         self._all_paged = bool(rows) and len(rows) == row
-        self._prefill = prefill
+        self._chunk = chunk
+        self._prefill = any(chunk)
         self._paged_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [R]
         if rows:
             width = max(len(t) for t in tabs)
@@ -190,24 +203,29 @@ class PagedKVCache:
             return None
         return self._slots, self._block_tables, self._ctx
 
-    def prefill_segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def prefill_segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None] | None:
         """For a fused prefill step (``kvwire.model.fast_decode``): when the prepared step is prompt chunks
-        (``prepare(prefill=True)``) on CPU, its slots [num_tokens] int64, segments [S, 3] int64 (first
-        row, rows, start position: one per sequence with tokens) and their block tables [S, max_blocks]
-        int32; else None. Each segment attends as ``attend`` computes prefill rows."""
+        (``prepare(prefill=...)``) on CPU, maybe after decode rows, its slots [num_tokens] int64, segments
+        [S, 3] int64 (first row, rows, start position: one per chunk with tokens), their block tables
+        [S, max_blocks] int32, and the decode rows' (block tables [R, max_blocks] int32, context lengths
+        [R] int32) when there are some (rows 0..R-1, as ``paged_step`` gives them), else None. Each row
+        attends as ``attend`` computes it. None when another kind of row is in the step."""
         if not self._prefill or self.device.type != "cpu":
             return None
         segments, tabs, row = [], [], 0
-        for s, start, n in self._step:
-            if n:
+        for (s, start, n), is_chunk in zip(self._step, self._chunk):
+            if n and is_chunk:
                 segments.append([row, n, start])
                 tabs.append(self.tables.table(s))
             row += n
-        if not segments:
+        paged = self._paged_rows.numel()
+        if not segments or sum(n for _, n, _ in segments) + paged != row or \
+                (paged and self._paged_rows[-1].item() != paged - 1):  # decode rows first, then chunks: nothing else
             return None
         width = max(len(t) for t in tabs)
         tables = torch.tensor([t + [RELEASED] * (width - len(t)) for t in tabs], dtype=torch.int32)
-        return self._slots, torch.tensor(segments, dtype=torch.int64), tables
+        decode = (self._block_tables, self._ctx) if paged else None
+        return self._slots, torch.tensor(segments, dtype=torch.int64), tables, decode
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None) -> torch.Tensor:
@@ -217,14 +235,14 @@ class PagedKVCache:
             return dispatch.paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale,
                                                    self._block_tables, self._ctx, window, self.sm_scale)
         out, row = torch.empty_like(q), 0
-        for seq_id, start, n in self._step:
+        for (seq_id, start, n), is_chunk in zip(self._step, self._chunk):
             rows = slice(row, row + n)
             row += n
             if n == 0:
                 continue
             if start == 0:  # fresh prompt: this step's K/V are the whole context
                 out[rows] = self._causal(q[rows], k[rows], v[rows], 0, 0, window)
-            elif n > MAX_PAGED_QUERIES or self._prefill:
+            elif n > MAX_PAGED_QUERIES or is_chunk:
                 out[rows] = self._attend_pages(layer, seq_id, q[rows], k[rows], v[rows], start, window)
         if self._paged_rows.numel():
             idx = self._paged_rows

@@ -8,12 +8,13 @@ except into int8 layers on AVX512-VNNI and bf16 layers on AVX512-BF16 CPUs (see
 docs/decisions/043-fused-decode-activations.md). K/V bytes are ``reference.write_kv``'s bit for bit,
 each row's result is independent of the step's other rows; anything else returns None (model forward).
 
-Prefill steps (``PagedKVCache.prepare(prefill=True)``) take ``kvw_prefill_layers`` where every layer
-is a GEMM whose rows are independent (packed int8, GGUF blocks) and head_dim is at most 64 (where
-the eager path always takes the same attention kernel): the same ops with the row ops split between
-threads, so a prompt's bits never depend on the step's other prompts; the final norm and LM head run
-as in the model. A cache with ``after_layer`` (prefill_svc's, which streams each layer's pages) is
-called after every layer. Where the conditions fail (or with ``KVWIRE_PREFILL_LAYERS=0``), every
+Prefill steps (``PagedKVCache.prepare(prefill=...)``: prompt chunks, maybe after decode rows) take
+``kvw_prefill_layers`` where every layer is a GEMM whose rows are independent (packed int8, GGUF
+blocks) and head_dim is at most 64 (where the eager path always takes the same attention kernel):
+the same ops with the row ops split between threads, so a row's bits never depend on the step's
+other rows (a decode row's are a decode step's); the final norm and LM head are the decode step's.
+A cache with ``after_layer`` (prefill_svc's, which streams each layer's pages) is called after every
+layer. Where the conditions fail (or with ``KVWIRE_PREFILL_LAYERS=0``), every
 prefill step runs the model forward.
 """
 from __future__ import annotations
@@ -130,8 +131,14 @@ class FastDecode:
             cache.k.data_ptr(), cache.v.data_ptr(), ptr(cache.k_scale), ptr(cache.v_scale),
             cache.k[0].numel(), 0 if cache.k_scale is None else cache.k_scale[0].numel(), cache.spec.block_size,
             int(fp8), cache.sm_scale, threads)
+        return self._head(x, logits_rows)
+
+    def _head(self, x: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """The final norm and LM head in C over x [n, hidden] (the rows ``logits_rows`` only, if given):
+        every step's rows, decode or prompt, so a row's logits never depend on the step's kind."""
         if logits_rows is not None:
-            x = x[logits_rows].contiguous()  # [num_rows, hidden]
+            x = x[logits_rows]
+        x = x.contiguous()  # [num_rows, hidden]
         rows = x.shape[0]
         normed = torch.empty(rows, self.hidden)
         self.lib.kvw_rms_norm(x.data_ptr(), rows, self.hidden, self.final_norm.data_ptr(), self.eps, normed.data_ptr())
@@ -139,13 +146,15 @@ class FastDecode:
         logits = torch.empty(rows, self.vocab)
         hd = self.head
         self._head_fn(normed.data_ptr(), rows, hd.in_features, hd.w, self.vocab, logits.data_ptr(), hd.scale,
-                      hd.bias, None, threads)
+                      hd.bias, None, torch.get_num_threads())
         return logits  # [num_rows, vocab] fp32
 
     def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_rows: torch.Tensor | None,
-                 slots: torch.Tensor, segments: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+                 slots: torch.Tensor, segments: torch.Tensor, tables: torch.Tensor,
+                 decode: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """A prefill step: the layers in C (``kvw_prefill_layers``), then the model's final norm and LM head.
-        segments: [S, 3] int64 (first row, rows, start position); tables: [S, max_blocks] int32."""
+        segments: [S, 3] int64 (first row, rows, start position); tables: [S, max_blocks] int32; decode:
+        the rows before the segments' (block tables [R, max_blocks] int32, context lengths [R] int32) or None."""
         n, d = tokens.shape[0], self.d
         x = self.model.embed(tokens).float().contiguous()  # [n, hidden], updated in place layer by layer
         cos, sin = (t.reshape(n, d).contiguous() for t in rope_cos_sin(self.model.inv_freq, positions))  # [n, d]
@@ -166,13 +175,12 @@ class FastDecode:
             seg[2].data_ptr(), tables.data_ptr(), tables.shape[1], cache.k.data_ptr(), cache.v.data_ptr(),
             ptr(cache.k_scale), ptr(cache.v_scale), cache.k[0].numel(),
             0 if cache.k_scale is None else cache.k_scale[0].numel(), cache.spec.block_size,
-            int(cache.k_scale is not None), cache.sm_scale, torch.get_num_threads(), callback)
+            int(cache.k_scale is not None), cache.sm_scale, torch.get_num_threads(), callback,
+            0 if decode is None else decode[1].shape[0], ptr(None if decode is None else decode[0]),
+            0 if decode is None else decode[0].shape[1], ptr(None if decode is None else decode[1]))
         if raised:
             raise raised[0]
-        if logits_rows is not None:
-            x = x[logits_rows]  # [num_rows, hidden]
-        self.model.last_hidden = self.model.norm(x)  # as Transformer.forward ends
-        return self.model.lm_head(self.model.last_hidden).float()  # [num_rows, vocab]
+        return self._head(x, logits_rows)
 
 
 PREFILL_MAX_HEAD_DIM = 64  # the eager path's attention is kvw_prefill_attention at any length up to here (kv.tuned)

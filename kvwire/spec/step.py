@@ -40,15 +40,16 @@ class Proposers:
         return proposer
 
 
-def decode_step(runner: ModelRunner, proposers: Proposers, batch: Sequence[Request],
-                cfg: SpecConfig) -> list[tuple[list[int], int, list[TokenLogprobs] | None]]:
+def decode_step(runner: ModelRunner, proposers: Proposers, batch: Sequence[Request], cfg: SpecConfig,
+                chunks: Sequence[tuple[int, list[int], bool]] = ()) -> list[tuple[list[int], int, list[TokenLogprobs] | None]]:
     """One decode iteration over ``batch`` (requests with their KV in place). Returns (tokens to
     emit, number proposed, their logprobs if the request asked) per request; the policy's update
-    (``record``, ``observe``) follows once the scheduler has applied them (``EngineCore.update``)."""
+    (``record``, ``observe``) follows once the scheduler has applied them (``EngineCore.update``).
+    ``chunks``: prompt chunks computed in the same forward (``ModelRunner.step``)."""
     props = propose(runner, proposers, batch, cfg)
     grammars = [r.grammar for r in batch if r.grammar is not None]
     masks = fill_masks(grammars) if grammars else None  # while the forward runs: they need only past tokens
-    raw = runner.step([r.seq for r in batch], [[r.context[-1], *p.tokens] for r, p in zip(batch, props)])
+    raw = runner.step([r.seq for r in batch], [[r.context[-1], *p.tokens] for r, p in zip(batch, props)], chunks)
     logits = processed(batch, props, raw)
     if masks is not None:
         logits = constrained(batch, logits, masks)

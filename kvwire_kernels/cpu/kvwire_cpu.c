@@ -1319,10 +1319,12 @@ void kvw_prefill_attention(const float *q, int64_t n, int64_t h, int64_t hkv, in
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < hkv; g++)
-            for (int64_t j = 0; j < m_pad; j++)
+        for (int64_t t = 0; t < hkv * (m_pad / 16); t++) {  /* (group, block of 16 keys): all threads, any hkv */
+            const int64_t g = t / (m_pad / 16), j0 = t % (m_pad / 16) * 16;
+            for (int64_t j = j0; j < j0 + 16; j++)
                 for (int64_t i = 0; i < d; i++)
                     kt[g * d * m_pad + (j / 16 * d + i) * 16 + j % 16] = j < m ? k[(j * hkv + g) * d + i] : 0.0f;
+        }
         /* later row blocks see more keys: largest first, then dynamic, for balance */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < blocks * h; t++) {
@@ -1490,7 +1492,8 @@ void kvw_decode_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, 
 /* Positions [lo, lo + m) of a sequence from its pages (table: page per block) into dst [m, hkv, d] fp32:
  * kvwire_kernels.reference.dequantize_pages' values (fp8 * its bf16 scale, one fp32 rounding; bf16 exact). */
 static void gather_pages(const void *pages, const uint16_t *scales, const int32_t *table, int64_t lo, int64_t m,
-                         int64_t hkv, int64_t d, int64_t block_size, int fp8, float *dst) {
+                         int64_t hkv, int64_t d, int64_t block_size, int fp8, float *dst, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (m >= 64)
     for (int64_t j = 0; j < m; j++) {
         const int64_t pos = lo + j, page = table[pos / block_size], off = pos % block_size;
         for (int64_t g = 0; g < hkv; g++) {
@@ -1507,25 +1510,39 @@ static void gather_pages(const void *pages, const uint16_t *scales, const int32_
 }
 
 /* x [n, hidden] through every layer for a prefill step: S segments, segment s the rows [row0[s], row0[s] +
- * len[s]) of one sequence at positions start[s] .. (block table tables[s], max_blocks wide). Each segment's
- * queries attend over its pages before start[s] (from its window's first block), dequantized, then causally
- * over their own full-precision K/V: kvwire.kv.paged.PagedKVCache.attend's prefill rows, the same
- * kvw_prefill_attention on the same inputs. head_dim is a multiple of 16. after_layer (or NULL), called
- * once a layer's pages are written, returns the thread count for the next layer, or 0 to stop there. */
+ * len[s]) of one sequence at positions start[s] .. (block table tables[s], max_blocks wide). Each layer
+ * writes every row's K/V to the pages first; each segment's queries then attend over its pages before
+ * start[s] (from its window's first block), dequantized, then causally over their own full-precision
+ * K/V: kvwire.kv.paged.PagedKVCache.attend's prefill rows, the same kvw_prefill_attention on the same
+ * inputs. A segment continuing the one before it (the same sequence's next chunk in this step) so reads
+ * that one's K/V from the pages, as in a step of its own.
+ * Rows [0, np) (np >= 0) are decode or verification rows riding along: row i attends as kvw_decode_layers'
+ * (kvw_paged_attention over its block table ptables[i], pmax_blocks wide, up to pctx[i] positions), so
+ * a mixed step gives every row the bits a step of its own kind gives it (the GEMMs' rows are independent).
+ * head_dim is a multiple of 16. after_layer (or NULL), called once a layer's pages are written, returns
+ * the thread count for the next layer, or 0 to stop there. */
 void kvw_prefill_layers(const kvw_layer_t *layers, int64_t num_layers, float *x, int64_t n, int64_t hidden,
                         int64_t h, int64_t hkv, int64_t d, int64_t inter, float eps, const float *cos_,
                         const float *sin_, const int64_t *slots, int64_t S, const int64_t *row0, const int64_t *len,
                         const int64_t *start, const int32_t *tables, int64_t max_blocks, void *k_base, void *v_base,
                         uint16_t *ks_base, uint16_t *vs_base, int64_t page_stride, int64_t scale_stride,
-                        int64_t block_size, int fp8, float sm_scale, int nthreads, int (*after_layer)(int64_t)) {
+                        int64_t block_size, int fp8, float sm_scale, int nthreads, int (*after_layer)(int64_t),
+                        int64_t np, const int32_t *ptables, int64_t pmax_blocks, const int32_t *pctx) {
     int64_t most = 0;  /* the most keys any segment gathers */
     for (int64_t s = 0; s < S; s++) most = start[s] + len[s] > most ? start[s] + len[s] : most;
+    /* A segment that continues the one before it (the same sequence's next chunk in this step) keeps the
+     * positions that one gathered and adds that one's own, from the pages: the same values, read once. */
+    int64_t have_lo = -1, have = 0;  /* kb, vb hold positions [have_lo, have_lo + have) of the last segment's sequence */
     step_bufs_t b = step_bufs(n, hidden, h, hkv, d, inter);
     float *kb = malloc(sizeof(float) * most * hkv * d), *vb = malloc(sizeof(float) * most * hkv * d);
     for (int64_t i = 0; i < num_layers; i++) {
         const kvw_layer_t *L = layers + i;
         const layer_pages_t P = layer_pages(i, k_base, v_base, ks_base, vs_base, page_stride, scale_stride, fp8);
         layer_qkv(L, x, n, hidden, h, hkv, d, eps, cos_, sin_, slots, block_size, P, fp8, &b, nthreads);
+        if (np > 0)
+            kvw_paged_attention(b.q, np, h, hkv, d, P.k, P.v, P.ks, P.vs, block_size, ptables, pmax_blocks, pctx,
+                                L->window, sm_scale, b.attn, fp8, nthreads);
+        have_lo = -1;  /* each layer gathers its own pages */
         for (int64_t s = 0; s < S; s++) {
             const int64_t r = row0[s], st = start[s], w = L->window;
             const float *keys = b.k + r * hkv * d, *vals = b.v + r * hkv * d;
@@ -1533,12 +1550,21 @@ void kvw_prefill_layers(const kvw_layer_t *layers, int64_t num_layers, float *x,
             if (st > 0) {  /* earlier chunks (or a reused prefix): from the pages, then this segment's own */
                 lo = (w ? (st - w + 1 > 0 ? st - w + 1 : 0) : 0) / block_size * block_size;
                 m = st - lo + len[s];
-                gather_pages(P.k, P.ks, tables + s * max_blocks, lo, st - lo, hkv, d, block_size, fp8, kb);
-                gather_pages(P.v, P.vs, tables + s * max_blocks, lo, st - lo, hkv, d, block_size, fp8, vb);
+                const int cont = s > 0 && lo == have_lo && start[s - 1] + len[s - 1] == st && have <= st - lo &&
+                                 !memcmp(tables + s * max_blocks, tables + (s - 1) * max_blocks, sizeof(int32_t) * max_blocks);
+                const int64_t from = cont ? have : 0;  /* positions lo + from .. st still to gather */
+                gather_pages(P.k, P.ks, tables + s * max_blocks, lo + from, st - lo - from, hkv, d, block_size, fp8,
+                             kb + from * hkv * d, nthreads);
+                gather_pages(P.v, P.vs, tables + s * max_blocks, lo + from, st - lo - from, hkv, d, block_size, fp8,
+                             vb + from * hkv * d, nthreads);
+                have_lo = lo;
+                have = st - lo;  /* beyond it, kb / vb hold this segment's own rows at full precision */
                 memcpy(kb + (st - lo) * hkv * d, keys, sizeof(float) * len[s] * hkv * d);
                 memcpy(vb + (st - lo) * hkv * d, vals, sizeof(float) * len[s] * hkv * d);
                 keys = kb;
                 vals = vb;
+            } else {
+                have_lo = -1;
             }
             kvw_prefill_attention(b.q + r * h * d, len[s], h, hkv, d, keys, vals, m, st, lo, w, sm_scale,
                                   b.attn + r * h * d, nthreads);
@@ -1666,4 +1692,4 @@ int64_t kvw_draft_head_chain(const kvw_draft_head_t *H, int64_t S, const float *
     return calls;
 }
 
-int kvw_abi_version(void) { return 12; }
+int kvw_abi_version(void) { return 13; }

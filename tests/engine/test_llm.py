@@ -107,3 +107,35 @@ def test_the_draft_is_quantized_like_the_target_unless_told(model_dir, tmp_path)
         llm.step()
     assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
     assert sum(r.spec.drafted for r in reqs) > 0 and llm.stats()["used"] == 0
+
+
+def test_a_prompt_computed_beside_decoding_requests_gives_its_tokens_alone(model_dir):
+    """Prompts arriving while others decode are computed in chunks inside the decode steps (in the
+    same forward where the kernels' rows are independent), a few chunks a step: every request's
+    tokens, greedy and seeded, are the ones it gets alone, and the running ones' are unchanged."""
+    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=12, temperature=0.8, seed=5),
+              SamplingParams(max_tokens=12)]
+    prompts = [PROMPTS[1], [(i * 7) % 200 + 3 for i in range(150)], [(i * 13) % 200 + 3 for i in range(70)]]
+    alone = LLM(model_dir, num_pages=128, prefill_chunk_size=16)  # the same cuts, each prompt alone
+    expect = [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    llm = LLM(model_dir, num_pages=128, max_num_batched_tokens=48, prefill_chunk_size=16)
+    runner, rode = llm.core.runner, []
+    inner = runner.step
+
+    def step(seqs, tokens, chunks=()):
+        rode.append(len(chunks))
+        return inner(seqs, tokens, chunks)
+    runner.step = step
+    first = llm.add_request(prompts[0], params[0])
+    outs = {first: []}
+    for _ in range(3):
+        for o in llm.step():
+            outs[o.request_id] += o.token_ids
+    for p, q in zip(prompts[1:], params[1:]):
+        outs[llm.add_request(p, q)] = []
+    while llm.has_unfinished():
+        for o in llm.step():
+            outs[o.request_id] += o.token_ids
+    assert list(outs.values()) == expect
+    if runner.rows_independent:  # the 150-token prompt took 16-token chunks in several decode steps
+        assert sum(1 for n in rode if n) >= 3 and max(rode) >= 2

@@ -137,14 +137,20 @@ def test_chunks_are_cut_at_fixed_places_and_fill_the_budget_oldest_first():
     for r in (a, b, c):
         s.add(r)
     admit_local(s)
-    plan = s.plan()  # d decodes 1 + 3 rows: 60 tokens left, a's first 32 and b's first 32 are 64: only a's
-    assert plan.decode == (d,) and [(x.req, x.start, x.end) for x in plan.chunks] == [(a, 0, 32)]
+    plan = s.plan()  # d decodes 1 + 3 rows: 60 tokens left: a's two chunks (50); b's first 32 would pass it
+    assert plan.decode == (d,) and [(x.req, x.start, x.end) for x in plan.chunks] == [(a, 0, 32), (a, 32, 50)]
     run_prefill(s, plan)
-    plan = s.plan()  # a's last 18, then b's first 32 (50 of 60); c's 20 would pass the budget
-    assert [(x.req, x.start, x.end) for x in plan.chunks] == [(a, 32, 50), (b, 0, 32)]
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.PREFILLING and b.computed == 0
+    plan = s.plan()  # a decodes too now: 59 left, b's 32 + 8; c's 20 would pass it
+    assert [(x.req, x.start, x.end) for x in plan.chunks] == [(b, 0, 32), (b, 32, 40)]
     run_prefill(s, plan)
-    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.PREFILLING and b.computed == 32
-    assert [(x.req, x.start, x.end) for x in s.plan().chunks] == [(b, 32, 40), (c, 0, 20)]
+    assert [(x.req, x.start, x.end) for x in s.plan().chunks] == [(c, 0, 20)]
+    # FIFO: a younger prompt's chunk never passes an older one's that did not fit
+    s1 = make(total=100, max_num_batched_tokens=40, prefill_chunk=32)
+    for r in (req("p", 64, 4), req("q", 4, 4)):
+        s1.add(r)
+    admit_local(s1)
+    assert [(x.req.request_id, x.start, x.end) for x in s1.plan().chunks] == [("p", 0, 32)]
     # the oldest prompt's chunk goes whatever decode takes of the budget
     s2 = make(total=100, max_num_batched_tokens=2, prefill_chunk=16)
     s2.add(req("e", 40, 4))
@@ -296,3 +302,34 @@ def test_n_choices_reserve_for_each_and_split_the_reservation_at_the_fork():
     assert [r.request_id for r in s.plan().decode] == ["p", "p#1"] and s.reserved == 6  # nothing to grow yet
     with pytest.raises(ResourceExhausted, match="for each of n=5 choices"):
         s.add(Request("q", next(_seq), [1] * 40, SamplingParams(max_tokens=30, n=5), frozenset()))  # 25 > 20
+
+
+def test_prompt_chunks_beside_decoding_requests_keep_to_the_time_budget_or_the_arrivals():
+    asked = []
+
+    def budget(batch):  # the engine's: prompt tokens a step of `batch` decoding requests may add
+        asked.append(batch)
+        return 40
+
+    tables = BlockTables(PagePool(100), 16)
+    s = Scheduler(SchedulerConfig(total_pages=100, max_num_batched_tokens=512, prefill_chunk=16), tables.max_pages,
+                  budget)
+    d = req("d", 4, 50)
+    s.add(d)
+    admit_local(s)
+    plan = s.plan()
+    assert [x.end for x in plan.chunks] == [4] and asked == []  # nothing decodes: only the token budget
+    run_prefill(s, plan)
+    for r in (req("a", 100, 4), req("b", 20, 4)):
+        s.add(r)
+    admit_local(s)
+    plan = s.plan()  # 120 prompt tokens to compute: a quarter is 30, under the budget's 40
+    assert asked == [1] and [(x.req.request_id, x.start, x.end) for x in plan.chunks] == [("a", 0, 16), ("a", 16, 32)]
+    s2 = Scheduler(SchedulerConfig(total_pages=100, max_num_batched_tokens=512, prefill_chunk=16), tables.max_pages,
+                   lambda batch: 8)
+    s2.add(req("e", 4, 50))
+    admit_local(s2)
+    run_prefill(s2, s2.plan())
+    s2.add(req("f", 300, 4))
+    admit_local(s2)  # 300 tokens to compute: a quarter is 75, over the time budget's 8
+    assert [x.end for x in s2.plan().chunks] == [16, 32, 48, 64]

@@ -242,11 +242,11 @@ async def test_cancel_during_a_speculative_step_frees_target_and_draft_pages(mod
         runner, draft = h.engine.core.runner, h.engine.core.draft
         inner, inside, release = runner.step, threading.Event(), threading.Event()
 
-        def step(seqs, tokens):  # hold the first verification step until the RPC is cancelled
+        def step(seqs, tokens, chunks=()):  # hold the first verification step until the RPC is cancelled
             if any(len(t) > 1 for t in tokens) and not inside.is_set():
                 inside.set()
                 release.wait(10)
-            return inner(seqs, tokens)
+            return inner(seqs, tokens, chunks)
         runner.step = step
         call = h.decode.GenerateTokens(pb.GenerateTokensRequest(
             prompt_token_ids=[40, 41, 42] * 12, sampling=pb.SamplingParams(

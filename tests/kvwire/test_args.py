@@ -21,7 +21,7 @@ def flags(service: str) -> set[str]:
 
 
 def test_each_service_takes_its_sections_with_its_own_defaults():
-    assert len(service_flags("decode_svc")) == 50 and len(service_flags("prefill_svc")) == 22
+    assert len(service_flags("decode_svc")) == 51 and len(service_flags("prefill_svc")) == 22
     assert len(service_flags("tokenizer_svc")) == 30  # its 27, --decode-routing(-load-factor) and the shared --log-level
     d, p, t = (parse_args(s, []) for s in ("decode_svc", "prefill_svc", "tokenizer_svc"))
     assert (d.serving.listen, p.serving.listen, t.serving.listen) == ("127.0.0.1:50052", "127.0.0.1:50053",

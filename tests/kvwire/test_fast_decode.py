@@ -16,6 +16,7 @@ import torch
 
 from kvwire_kernels import cpu
 from kvwire.config import KVDtype, QuantMode
+from kvwire.kv.pool import RELEASED
 from kvwire.runtime import EngineConfig, load_engine
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "kvwire-tiny"
@@ -172,3 +173,35 @@ def test_prefill_rows_do_not_depend_on_their_step_or_threads():
     for layer in range(rt.model_config.num_layers):  # and the pages hold the same bytes
         for a, b in zip(alone.layer_tensors(layer), together.layer_tensors(layer)):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("model,kv", [("tiny", "fp8_e4m3"), ("tiny", "bf16"), ("window", "fp8_e4m3")])
+def test_several_chunks_of_a_prompt_in_one_step_give_one_step_per_chunk(tmp_path, model, kv):
+    """A prompt cut at the same places, its chunks in a step each or several in one step (beside another
+    prompt): the last row's logits and every page byte are the same (a chunk reads the one before it
+    from the pages either way), behind a 16-token sliding window too (fp32 weights, the fused path
+    forced on)."""
+    if model == "tiny":
+        rt = runtime("int8", kv)
+        if not rt.model.step_fn.prefill:
+            pytest.skip("no packed int8 GEMM on this CPU")
+    else:
+        rt = load_engine(EngineConfig(windowed(tmp_path), weights=QuantMode.NONE, kv_dtype=KVDtype(kv), num_pages=64))
+        rt.model.step_fn.prefill = True
+    prompt = [(i * 37) % 500 + 3 for i in range(90)]
+    ref_cache = rt.new_cache()
+    ref = [prefill(rt, ref_cache, [0], [prompt[a:b]], fused=True) for a, b in ((0, 32), (32, 64), (64, 90))][-1]
+    together = rt.new_cache()  # all three chunks in one step
+    last = prefill(rt, together, [0, 0, 0], [prompt[:32], prompt[32:64], prompt[64:]], fused=True)[-1:]
+    beside = rt.new_cache()  # two of them in one step beside another prompt, then the third
+    prefill(rt, beside, [0, 0, 1], [prompt[:32], prompt[32:64], prompt[:20]], fused=True)
+    results = [(last, together), (prefill(rt, beside, [0], [prompt[64:]], fused=True), beside)]
+    for last, cache in results:
+        assert torch.equal(last, ref) and cache.tables.length(0) == len(prompt)
+        live = [(a, b) for a, b in zip(ref_cache.tables.table(0), cache.tables.table(0)) if RELEASED not in (a, b)]
+        assert len(live) >= 2  # (behind the window, a step gives back the pages no query sees)
+        ref_pages, pages = (torch.tensor(ids) for ids in zip(*live))
+        for layer in range(rt.model_config.num_layers):
+            for a, b in zip(ref_cache.layer_tensors(layer), cache.layer_tensors(layer)):
+                if a is not None:  # K, V (and FP8's scales)
+                    assert torch.equal(a[ref_pages].view(torch.uint8), b[pages].view(torch.uint8))
