@@ -101,17 +101,32 @@ class ModelRunner:
         t0 = time.perf_counter()
         counts = [len(tokens) for _, tokens, _ in chunks]
         positions = self.cache.prepare([seq for seq, _, _ in chunks], counts, prefill=True)
-        ends = (torch.tensor(counts).cumsum(0) - 1).tolist()
-        picked: list[int] = []  # the forward's rows whose logits are computed
-        spans = []  # per chunk: (its first row in ``picked``, how many)
-        for i, ((_, tokens, last), end) in enumerate(zip(chunks, ends)):
-            rows = range(end - len(tokens) + 1, end + 1) if i in full else [end] if last else []
-            spans.append((len(picked), len(rows)))
-            picked += rows
+        picked, spans = self._chunk_rows(chunks, 0, full)
         logits = self.runtime.model(torch.tensor([t for _, tokens, _ in chunks for t in tokens]), positions,
                                     self.cache, logits_rows=torch.tensor(picked, dtype=torch.int64))
-        # logits: [len(picked), vocab]
         self.step_cost.add_prefill(sum(counts), time.perf_counter() - t0)
+        return self._chunk_outputs(chunks, logits, spans, full)
+
+    @staticmethod
+    def _chunk_rows(chunks: Sequence[tuple[int, list[int], bool]], row: int, full: Collection[int] = ()
+                    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The forward's rows whose logits are computed for ``chunks``, whose tokens start at row
+        ``row``: every row of a chunk in ``full``, the last of a chunk that ends its prompt; and per
+        chunk (its first index in those rows, how many)."""
+        picked: list[int] = []
+        spans = []
+        for i, (_, tokens, last) in enumerate(chunks):
+            rows = range(row, row + len(tokens)) if i in full else [row + len(tokens) - 1] if last else []
+            spans.append((len(picked), len(rows)))
+            picked += rows
+            row += len(tokens)
+        return picked, spans
+
+    def _chunk_outputs(self, chunks: Sequence[tuple[int, list[int], bool]], logits: torch.Tensor,
+                       spans: list[tuple[int, int]], full: Collection[int] = (), hidden_from: int = 0
+                       ) -> list[torch.Tensor | None]:
+        """``prefill_chunks``' results from the chunks' logits [rows, vocab] (``spans`` index them, and
+        ``model.last_hidden`` from row ``hidden_from``); attachments are told of each prompt completed."""
         out: list[torch.Tensor | None] = [None] * len(chunks)
         for i, (first, n) in enumerate(spans):
             if not n:
@@ -119,7 +134,7 @@ class ModelRunner:
             out[i] = logits[first:first + n] if i in full else logits[first]
             if chunks[i][2]:
                 for a in self.attached:
-                    a.prefilled(chunks[i][0], self.runtime.model.last_hidden[first + n - 1])
+                    a.prefilled(chunks[i][0], self.runtime.model.last_hidden[hidden_from + first + n - 1])
         return out
 
     def fork(self, seq: int, children: Sequence[int]) -> None:
@@ -169,11 +184,11 @@ class ModelRunner:
             positions = self.cache.prepare([*seqs, *(seq for seq, _, _ in chunks)], [*counts, *sizes],
                                            prefill=[False] * len(seqs) + [True] * len(chunks))
             rows = sum(counts)
-            ends = (rows + torch.tensor(sizes).cumsum(0) - 1).tolist()
-            picked = list(range(rows)) + [end for (_, _, last), end in zip(chunks, ends) if last]
+            picked, spans = self._chunk_rows(chunks, rows)
             logits = self.runtime.model(torch.tensor([t for ts in tokens for t in ts] + [t for _, ch, _ in chunks
                                                                                           for t in ch]),
-                                        positions, self.cache, logits_rows=torch.tensor(picked, dtype=torch.int64))
+                                        positions, self.cache,
+                                        logits_rows=torch.tensor([*range(rows), *picked], dtype=torch.int64))
             took, plain = time.perf_counter() - t0, self.step_cost.step(len(seqs))
             if plain is not None and took > plain:  # the chunks' share: the time beyond such a decode step
                 self.step_cost.add_prefill(sum(sizes), took - plain)
@@ -184,17 +199,10 @@ class ModelRunner:
             self.step_cost.add(len(seqs), sum(counts), time.perf_counter() - t0)
             rows = logits.shape[0]
         self._starts = {s: (start, n) for s, start, n in zip(seqs, starts, counts) if n > 1}
-        hidden = self.runtime.model.last_hidden if self.attached else None  # [len(picked), hidden]
         for a in self.attached:
-            a.stepped(seqs, hidden[:rows].split(counts))
-        self.chunk_logits = []
-        j = rows
-        for seq, _, last in chunks:
-            self.chunk_logits.append(logits[j] if last else None)
-            if last:
-                for a in self.attached:
-                    a.prefilled(seq, hidden[j])
-                j += 1
+            a.stepped(seqs, self.runtime.model.last_hidden[:rows].split(counts))
+        # the chunks' rows follow the decode rows'
+        self.chunk_logits = self._chunk_outputs(chunks, logits[rows:], spans, hidden_from=rows) if chunks else []
         return list(logits[:rows].split(counts))
 
     def replay(self, items: Sequence[tuple[int, list[int], bool]]) -> None:

@@ -21,24 +21,24 @@ class StepCost:
     min_steps: int = 4  # steps of a (batch, rows) pair before its mean is trusted
     _means: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)  # -> (seconds, steps)
     _batches: dict[int, tuple[float, int]] = field(default_factory=dict)  # batch -> (seconds, steps), any rows
-    _prefill: dict[int, tuple[float, int]] = field(default_factory=dict)  # 0 -> (seconds per prompt token, forwards)
+    _prefill: tuple[float, int] = (0.0, 0)  # (seconds per prompt token, forwards)
 
-    def _update(self, means: dict, key, seconds: float) -> None:
-        mean, n = means.get(key, (0.0, 0))
+    def _next(self, mean_n: tuple[float, int], seconds: float) -> tuple[float, int]:
+        mean, n = mean_n
         if n >= self.min_steps:  # a step slowed by another process must not move the mean far
             seconds = min(seconds, 2.0 * mean)
         n += 1
-        means[key] = (mean + max(self.weight, 1.0 / n) * (seconds - mean), n)
+        return mean + max(self.weight, 1.0 / n) * (seconds - mean), n
 
     def add(self, batch: int, rows: int, seconds: float) -> None:
         """One step of ``batch`` sequences that fed ``rows`` tokens in all, taking ``seconds``."""
-        self._update(self._means, (batch, rows), seconds)
-        self._update(self._batches, batch, seconds)
+        self._means[batch, rows] = self._next(self._means.get((batch, rows), (0.0, 0)), seconds)
+        self._batches[batch] = self._next(self._batches.get(batch, (0.0, 0)), seconds)
 
     def add_prefill(self, tokens: int, seconds: float) -> None:
         """One forward over prompt chunks of ``tokens`` tokens in all, taking ``seconds``."""
         if tokens > 0:
-            self._update(self._prefill, 0, seconds / tokens)
+            self._prefill = self._next(self._prefill, seconds / tokens)
 
     def _mean(self, batch: int, rows: int) -> float | None:
         mean, n = self._means.get((batch, rows), (0.0, 0))
@@ -53,7 +53,7 @@ class StepCost:
 
     def prefill_token(self) -> float | None:
         """Seconds per prompt token of the forwards that computed chunks, once measured."""
-        mean, n = self._prefill.get(0, (0.0, 0))
+        mean, n = self._prefill
         return mean if n >= self.min_steps and mean > 0 else None
 
     def plain(self, batch: int) -> float | None:

@@ -37,7 +37,8 @@ def test_the_engine_budgets_prompt_tokens_from_its_own_prices(tmp_path):
     assert LLM(model, num_pages=64).core.scheduler.prompt_budget is None  # off by default
     core = LLM(model, num_pages=64, max_prefill_stall=2.5).core
     budget, cost = core.scheduler.prompt_budget, core.runner.step_cost
-    cost._batches.clear(), cost._prefill.clear()  # the warm-up's and the first prompts' prices
+    cost._batches.clear()  # the warm-up's prices
+    cost._prefill = (0.0, 0)
     assert budget(8) is None  # nothing measured yet: the token budget alone
     for _ in range(cost.min_steps):
         cost.add(8, 8, 0.020)
